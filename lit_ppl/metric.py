@@ -1,0 +1,158 @@
+"""Token-weighted perplexity as a torchmetrics ``Metric`` with float64 states, and its functional twin.
+
+The metric is fed per-batch *sums* (never logits), accumulates locally on every rank and synchronises once
+at ``compute()``. Perplexity is ``exp(Σ nll / Σ tokens)`` over all tokens of all ranks — never a mean of
+per-batch means — and the word / byte normalisations follow lm-evaluation-harness.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+# Two-sided 95% quantile of the standard normal: the interval is PPL ± 1.96 standard errors.
+Z95 = 1.959963984540054
+
+SUM_STATES = ("nll_sum", "nll_sq_sum")
+COUNT_STATES = ("tokens", "words", "bytes", "documents", "nonfinite")
+
+
+def _perplexity_update(nll: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Reduce per-token NLL to ``(Σ nll, Σ nll², #tokens, #non-finite)``; sums in float64.
+
+    Non-finite values are excluded from the sums and counted instead, so that the caller can name the batch
+    rather than report a silent ``nan``.
+    """
+    nll = nll.detach().reshape(-1).to(torch.float64)
+    finite = torch.isfinite(nll)
+    clean = torch.where(finite, nll, torch.zeros_like(nll))
+    return clean.sum(), (clean * clean).sum(), finite.sum(), (~finite).sum()
+
+
+def _perplexity_compute(
+    nll_sum: Tensor, nll_sq_sum: Tensor, tokens: Tensor, words: Tensor, bytes_: Tensor, documents: Tensor
+) -> dict[str, Tensor]:
+    """Turn the summed states into the reported statistics (all float64)."""
+    nll_sum = nll_sum.to(torch.float64)
+    n = tokens.to(torch.float64)
+    nll_mean = nll_sum / n
+    # llama.cpp's standard error of the mean NLL: sqrt((E[nll²] - E[nll]²) / (N - 1)).
+    var = (nll_sq_sum.to(torch.float64) / n - nll_mean * nll_mean).clamp_min(0.0)
+    nll_stderr = torch.sqrt(var / (n - 1).clamp_min(1.0))
+    ppl = torch.exp(nll_mean)
+    ppl_stderr = ppl * nll_stderr
+    words_f, bytes_f = words.to(torch.float64), bytes_.to(torch.float64)
+    return {
+        "ppl": ppl,
+        "nll_mean": nll_mean,
+        "nll_stderr": nll_stderr,
+        "ppl_stderr": ppl_stderr,
+        "ppl_ci95_low": ppl - Z95 * ppl_stderr,
+        "ppl_ci95_high": ppl + Z95 * ppl_stderr,
+        "word_ppl": torch.exp(nll_sum / words_f),
+        "byte_ppl": torch.exp(nll_sum / bytes_f),
+        "bits_per_byte": nll_sum / bytes_f / math.log(2.0),
+        "nll_sum": nll_sum,
+        "tokens": tokens,
+        "words": words,
+        "bytes": bytes_,
+        "documents": documents,
+    }
+
+
+def perplexity(nll: Tensor, words: int = 0, bytes_: int = 0, documents: int = 0) -> dict[str, Tensor]:
+    """Functional twin of :class:`Perplexity`: statistics of a flat tensor of per-token NLL values.
+
+    Args:
+        nll: per-token negative log-likelihoods in nats, any shape.
+        words: whitespace-separated words of the scored documents (for word perplexity).
+        bytes_: UTF-8 bytes of the scored documents (for byte perplexity and bits per byte).
+        documents: number of documents.
+
+    Examples:
+        >>> import torch
+        >>> out = perplexity(torch.tensor([1.0, 2.0, 3.0]), words=2, bytes_=6)
+        >>> round(out["ppl"].item(), 4), round(out["word_ppl"].item(), 4)
+        (7.3891, 20.0855)
+    """
+    nll_sum, nll_sq_sum, tokens, nonfinite = _perplexity_update(nll)
+    if nonfinite:
+        raise ValueError(f"nll has {int(nonfinite)} non-finite values; perplexity would be meaningless")
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    return _perplexity_compute(nll_sum, nll_sq_sum, tokens, as_t(words), as_t(bytes_), as_t(documents))
+
+
+class Perplexity(Metric):
+    """Exact, token-weighted perplexity accumulated in float64 across batches and ranks.
+
+    ``update`` takes the per-token NLL of the scored tokens of one batch and the word / byte / document
+    counts of the documents that the batch *starts* (so each document is counted once, whatever the world
+    size). ``compute`` returns token, word and byte perplexity, bits per byte, the mean NLL with
+    llama.cpp's standard error and a 95% interval on perplexity.
+
+    Lightning's ``*-true`` precision plugins call ``module.to(dtype)``, which casts torchmetrics states;
+    call ``set_dtype(torch.float64)`` after the precision conversion (the LightningModule does) —
+    ``compute`` refuses anything else.
+
+    Examples:
+        >>> import torch
+        >>> metric = Perplexity()
+        >>> metric.update(torch.tensor([1.0, 2.0]), words=1, bytes_=4, documents=1)
+        >>> metric.update(torch.tensor([3.0]))
+        >>> round(metric.compute()["ppl"].item(), 4)
+        7.3891
+    """
+
+    is_differentiable = False
+    higher_is_better = False
+    full_state_update = False
+
+    nll_sum: Tensor
+    nll_sq_sum: Tensor
+    tokens: Tensor
+    words: Tensor
+    bytes: Tensor
+    documents: Tensor
+    nonfinite: Tensor
+
+    def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("dist_sync_on_step", False)
+        if kwargs["dist_sync_on_step"]:
+            raise ValueError("Perplexity syncs once at compute(); dist_sync_on_step=True is not supported")
+        super().__init__(**kwargs)
+        for name in SUM_STATES:
+            self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        for name in COUNT_STATES:
+            self.add_state(name, default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(
+        self,
+        nll: Tensor,
+        words: Tensor | int = 0,
+        bytes_: Tensor | int = 0,
+        documents: Tensor | int = 0,
+    ) -> None:
+        """Add one batch: per-token NLL of its scored tokens and counts of the documents it starts."""
+        nll_sum, nll_sq_sum, tokens, nonfinite = _perplexity_update(nll)
+        self.nll_sum += nll_sum.to(self.nll_sum.dtype)
+        self.nll_sq_sum += nll_sq_sum.to(self.nll_sq_sum.dtype)
+        self.tokens += tokens
+        self.nonfinite += nonfinite
+        self.words += words
+        self.bytes += bytes_
+        self.documents += documents
+
+    def compute(self) -> dict[str, Tensor]:
+        """Return the statistics over everything seen on every rank (float64)."""
+        if self.nll_sum.dtype != torch.float64:
+            raise RuntimeError(
+                f"Perplexity states are {self.nll_sum.dtype}, expected torch.float64: something cast the "
+                "metric after set_dtype(torch.float64) (a precision plugin calling module.to(dtype)?)"
+            )
+        out = _perplexity_compute(self.nll_sum, self.nll_sq_sum, self.tokens, self.words, self.bytes, self.documents)
+        # Synced like the rest, so every rank sees the same count and can stop together.
+        out["nonfinite"] = self.nonfinite.clone()
+        return out

@@ -1,0 +1,132 @@
+"""Causal LMs: a built-in random-init Llama for offline runs, or any Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lit_ppl.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+BUILTIN = "builtin"
+
+
+@dataclass
+class ModelSpec:
+    """Which causal LM to evaluate.
+
+    Attributes:
+        path: ``builtin`` (no files: byte tokenizer and a seeded random Llama), a local Hugging Face
+            checkpoint directory, or a hub id (needs the hub or its cache).
+        trust_remote_code: run the checkpoint's own Python code; off unless you trust its source.
+        revision: hub revision (branch, tag or commit) for hub ids.
+        seed: initialisation seed of the built-in model.
+        hidden_size: built-in model width.
+        num_layers: built-in model depth.
+        num_heads: built-in model attention heads.
+        max_positions: built-in model context length.
+    """
+
+    path: str = BUILTIN
+    trust_remote_code: bool = False
+    revision: str | None = None
+    seed: int = 0
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    max_positions: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.is_builtin:
+            return
+        # Hub ids are "name" or "org/name"; anything else is meant as a local directory.
+        looks_local = self.path.startswith(("/", ".", "~")) or self.path.count("/") > 1
+        local = Path(self.path).expanduser()
+        if looks_local and not local.exists():
+            raise FileNotFoundError(
+                f"model.path={self.path!r} does not exist; give a Hugging Face checkpoint directory, a hub id "
+                f"(org/name) or '{BUILTIN}'"
+            )
+        if local.is_dir() and not (local / "config.json").is_file():
+            raise ValueError(
+                f"model.path={self.path!r} is a directory without config.json, so not a Hugging Face causal LM "
+                "checkpoint (expected config.json plus *.safetensors weights)"
+            )
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.path == BUILTIN
+
+    @property
+    def _pretrained_kwargs(self) -> dict:
+        return {"trust_remote_code": self.trust_remote_code, "revision": self.revision}
+
+    def limits(self) -> tuple[int, int | None]:
+        """``(vocab_size, max_positions)`` from the model's config, without loading its weights."""
+        if self.is_builtin:
+            return ByteTokenizer.vocab_size, self.max_positions
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(str(Path(self.path).expanduser()), **self._pretrained_kwargs)
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return cfg.vocab_size, getattr(cfg, "max_position_embeddings", None)
+
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer that goes with this model."""
+        if self.is_builtin:
+            return ByteTokenizer()
+        from transformers import AutoTokenizer
+
+        return HFTokenizer(AutoTokenizer.from_pretrained(str(Path(self.path).expanduser()), **self._pretrained_kwargs))
+
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """Instantiate the model in ``dtype`` on the current default device, in eval mode."""
+        from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+        if self.is_builtin:
+            config = LlamaConfig(
+                vocab_size=ByteTokenizer.vocab_size,
+                hidden_size=self.hidden_size,
+                intermediate_size=4 * self.hidden_size,
+                num_hidden_layers=self.num_layers,
+                num_attention_heads=self.num_heads,
+                num_key_value_heads=self.num_heads,
+                max_position_embeddings=self.max_positions,
+                bos_token_id=ByteTokenizer.bos_id,
+                eos_token_id=ByteTokenizer.eos_id,
+                tie_word_embeddings=True,
+            )
+            # Seeded locally so the same seed gives the same weights on every rank and every run.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                model = LlamaForCausalLM(config).to(dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(Path(self.path).expanduser()), dtype=dtype, **self._pretrained_kwargs
+            )
+        return model.eval().requires_grad_(False)
+
+
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """Split a Hugging Face causal LM into the decoder (ids → hidden states) and the output head."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, model.base_model_prefix)
+    return decoder, model.get_output_embeddings()
+
+
+def head_fn(model: nn.Module, head: nn.Module):
+    """The head as a function, with the logit scaling / soft-capping some architectures apply after it."""
+    cfg = model.config
+    scale = getattr(cfg, "logit_scale", None)  # Cohere
+    cap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3
+
+    def apply(hidden: torch.Tensor) -> torch.Tensor:
+        logits = head(hidden)
+        if scale is not None:
+            logits = logits * scale
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return apply

@@ -1,0 +1,106 @@
+"""The LightningModule: score every batch's tokens, accumulate them in the float64 metric, sync once."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+from lit_ppl.metric import Perplexity
+from lit_ppl.models import ModelSpec, decoder_and_head, head_fn
+from lit_ppl.nll import chunked_nll
+
+# Weights are loaded directly in the dtype a "*-true" precision computes in (a 70B checkpoint must not
+# pass through float32 first); mixed precisions keep float32 weights and autocast.
+LOAD_DTYPE = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+
+
+class TokenScorer(nn.Module):
+    """Per-token NLL of a causal LM's scored positions, with the logits chunked.
+
+    A module of its own (rather than calls on the LM's parts) so that FSDP's root hooks fire around it:
+    embeddings, final norm and output head live at the root of the sharded tree.
+    """
+
+    def __init__(self, lm: nn.Module, chunk_size: int) -> None:
+        super().__init__()
+        self.lm = lm
+        self.decoder, head = decoder_and_head(lm)
+        self.head = head_fn(lm, head)
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids: torch.Tensor, score_index: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state  # (b, t, d)
+        scored = hidden.reshape(-1, hidden.shape[-1]).index_select(0, score_index)  # (n, d)
+        return chunked_nll(scored, targets, self.head, self.chunk_size)  # (n,)
+
+
+class PerplexityModule(L.LightningModule):
+    """Evaluates a causal LM's perplexity in ``trainer.validate``.
+
+    Args:
+        model: which LM to load; it is built in ``configure_model`` so sharding strategies can wrap it.
+        chunk_size: scored positions per output-head chunk (bounds the logits memory).
+        shard: a callable ``shard(scorer, module)`` that wraps the built model for the strategy (FSDP);
+            ``None`` leaves it to the strategy (DDP replicates, single device does nothing).
+    """
+
+    def __init__(self, model: ModelSpec, chunk_size: int = 1024, shard: Any = None) -> None:
+        super().__init__()
+        self.spec, self.chunk_size, self.shard = model, chunk_size, shard
+        self.scorer: TokenScorer | None = None
+        self.metric = Perplexity()
+        self.result: dict[str, Any] = {}
+        self.tokens_seen = 0  # host-side count for tokens/s: from shapes, no device sync
+        self.steps = 0
+
+    def configure_model(self) -> None:
+        if self.scorer is not None:
+            return
+        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+        self.scorer = TokenScorer(self.spec.build(LOAD_DTYPE.get(precision, torch.float32)), self.chunk_size)
+        if self.shard is not None:
+            self.shard(self.scorer, self)
+
+    def on_validation_start(self) -> None:
+        # Precision plugins cast the whole module, metric states included; restore float64.
+        self.metric.set_dtype(torch.float64)
+        self._first_bad_step = torch.tensor(-1, device=self.device)
+        self._t0 = time.perf_counter()
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        nll = self.scorer(batch["input_ids"], batch["score_index"], batch["targets"])
+        self.metric.update(nll, batch["words"], batch["bytes"], batch["documents"])
+        # Remember the first step with a non-finite loss without a host sync in the loop.
+        bad = ~torch.isfinite(nll).all()
+        self._first_bad_step = torch.where(bad & (self._first_bad_step < 0), batch_idx, self._first_bad_step)
+        self.tokens_seen += batch["targets"].numel()
+        self.steps += 1
+
+    def on_validation_epoch_end(self) -> None:
+        seconds = time.perf_counter() - self._t0
+        t_sync = time.perf_counter()
+        stats = self.metric.compute()  # the one cross-rank synchronisation of the metric
+        sync_s = time.perf_counter() - t_sync
+        per_rank = self.all_gather(
+            torch.tensor([self.tokens_seen, self.steps, int(self._first_bad_step)], device=self.device)
+        ).reshape(-1, 3)
+        if int(stats["nonfinite"]) > 0:
+            first = {r: int(s) for r, s in enumerate(per_rank[:, 2].tolist()) if s >= 0}
+            raise FloatingPointError(
+                f"{int(stats['nonfinite'])} tokens had a NaN/inf loss (first at batch {first} by rank); the model "
+                f"overflows in precision={self.trainer.precision}: try 32-true or bf16-mixed"
+            )
+        self.result = {
+            **{k: v.item() for k, v in stats.items() if k != "nonfinite"},
+            "seconds": seconds,
+            "sync_seconds": sync_s,
+            "rank_tokens": per_rank[:, 0].tolist(),
+            "rank_steps": per_rank[:, 1].tolist(),
+        }
+        for k in ("tokens", "words", "bytes", "documents"):
+            self.result[k] = round(self.result[k])
+        self.log_dict({"ppl": stats["ppl"].float(), "nll_mean": stats["nll_mean"].float()}, sync_dist=False)

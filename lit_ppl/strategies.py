@@ -1,0 +1,67 @@
+"""Lightning strategies for evaluation, each with the timeout that keeps a dead rank from hanging the rest.
+
+* ``auto`` — one process (one device).
+* ``ddp`` — the model replicated in every process.
+* ``fsdp`` — FSDP2 (``fully_shard`` on every decoder block, then the root) over all ranks, through
+  Lightning's ``ModelParallelStrategy`` with ``data_parallel_size=world`` and ``tensor_parallel_size=1``
+  (its ``"auto"`` defaults would mean tensor parallelism on 2 devices). Lightning's ``FSDPStrategy``
+  refuses CPU; FSDP2 runs on CPU with gloo.
+* ``hsdp`` — FSDP2 on a 2D mesh: replicate across nodes, shard within a node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from functools import partial
+
+import lightning as L
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
+from torch import nn
+
+STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
+Shard = Callable[[nn.Module, L.LightningModule], None]
+
+
+def decoder_blocks(lm: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: Hugging Face names their classes in ``_no_split_modules``."""
+    names = set(getattr(lm, "_no_split_modules", None) or [])
+    blocks = [m for m in lm.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"{type(lm).__name__} declares no _no_split_modules; cannot find its decoder blocks")
+    return blocks
+
+
+def shard_fsdp2(scorer: nn.Module, module: L.LightningModule, hybrid: bool = False) -> None:
+    """``fully_shard`` every decoder block, then the scorer (whose root holds embeddings, norm and head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if hybrid:
+        nodes = module.trainer.num_nodes
+        world = module.trainer.world_size
+        # Dim 0 replicates across nodes, dim 1 shards within a node: all-gathers stay on the fast links.
+        mesh = init_device_mesh(module.device.type, (nodes, world // nodes), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = module.device_mesh["data_parallel"]
+    for block in decoder_blocks(scorer.lm):
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(scorer, mesh=mesh, reshard_after_forward=True)
+
+
+def build(name: str, timeout_s: float, devices: int, num_nodes: int) -> tuple[Strategy | str, Shard | None]:
+    """The Lightning strategy for ``name`` and the function that shards the model for it (or ``None``)."""
+    timeout = timedelta(seconds=timeout_s)
+    world = devices * num_nodes
+    if name == "auto":
+        if world > 1:
+            raise ValueError(f"strategy=auto runs one process but trainer.devices×num_nodes={world}; use strategy=ddp")
+        return "auto", None
+    if name == "ddp":
+        return DDPStrategy(timeout=timeout), None
+    if name in ("fsdp", "hsdp"):
+        if name == "hsdp" and num_nodes < 2:
+            raise ValueError("strategy=hsdp replicates across nodes: it needs trainer.num_nodes >= 2")
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timeout)
+        return strategy, partial(shard_fsdp2, hybrid=name == "hsdp")
+    raise ValueError(f"strategy={name!r} is not one of {', '.join(STRATEGIES)}")

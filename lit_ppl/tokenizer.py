@@ -1,0 +1,76 @@
+"""Tokenizers behind one small interface: the built-in byte tokenizer and any Hugging Face tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    """What the data pipeline needs from a tokenizer."""
+
+    @property
+    def context_id(self) -> int:
+        """Token that precedes every document as context only (BOS, else EOS)."""
+        ...
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable digest of the vocabulary and rules: the tokenization cache key."""
+        ...
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, without special tokens."""
+        ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0–255, plus BOS (256) and EOS (257): needs no files, covers any text."""
+
+    vocab_size = 258
+    bos_id = 256
+    eos_id = 257
+
+    @property
+    def context_id(self) -> int:
+        return self.bos_id
+
+    @property
+    def fingerprint(self) -> str:
+        return "byte-v1"
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
+
+
+class HFTokenizer:
+    """A ``transformers`` tokenizer; documents are encoded with ``add_special_tokens=False``.
+
+    This matches lm-evaluation-harness with ``add_bos_token=False``: the BOS that ``rolling`` mode puts in
+    front of each document is context only, never part of the document's tokens.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+        # Documents are longer than the model context by design; silence the length warning.
+        self.tok.model_max_length = int(1e30)
+        ctx = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        if ctx is None:
+            raise ValueError(
+                f"tokenizer {tokenizer.name_or_path!r} has neither a BOS nor an EOS token; lit-ppl needs one "
+                "as the context token in front of each document"
+            )
+        self._context_id = int(ctx)
+
+    @property
+    def context_id(self) -> int:
+        return self._context_id
+
+    @property
+    def fingerprint(self) -> str:
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        spec = backend.to_str() if backend is not None else repr(sorted(self.tok.get_vocab().items()))
+        return hashlib.sha256(f"{type(self.tok).__name__}\n{spec}".encode()).hexdigest()[:16]
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return self.tok(texts, add_special_tokens=False, verbose=False)["input_ids"]

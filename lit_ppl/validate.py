@@ -1,0 +1,105 @@
+"""Evaluate a causal LM's perplexity: compose the Hydra config, build the objects, validate, report.
+
+Single process (the offline default: a built-in random model on a text shipped with the package)::
+
+    python -m lit_ppl.validate
+    python -m lit_ppl.validate model.path=/ckpt/llama-3-8b data=wikitext2 precision=bf16-true
+
+Several processes on one machine (Lightning launches them)::
+
+    python -m lit_ppl.validate strategy=ddp trainer.devices=4
+
+Several nodes (torchrun on each node, or srun: see slurm/)::
+
+    torchrun --nnodes 2 --node_rank K --nproc_per_node 8 --master_addr HOST --master_port 29500 \\
+        -m lit_ppl.validate strategy=fsdp trainer.num_nodes=2 trainer.devices=8
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from lit_ppl import strategies
+from lit_ppl.data import PerplexityDataModule
+from lit_ppl.module import PerplexityModule
+from lit_ppl.progress import TokensPerSecondBar
+from lit_ppl.results import build_results, print_table, write_json_atomic
+
+# Errors that mean "the input was wrong": reported as one line, without a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, FloatingPointError)
+
+
+def conf_dir() -> str:
+    """The Hydra config tree: ``conf/`` in a source checkout, ``lit_ppl/conf`` once installed."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "validate.yaml").is_file():
+            return str(candidate)
+    raise FileNotFoundError(f"no conf/validate.yaml next to {here}; reinstall lit-ppl")
+
+
+def evaluate(cfg: DictConfig) -> dict[str, Any]:
+    """Run one evaluation described by ``cfg``; return ``results.json``'s content (on every rank)."""
+    L.seed_everything(cfg.seed, verbose=False)
+    model_spec = instantiate(cfg.model)
+    devices, num_nodes = int(cfg.trainer.devices), int(cfg.trainer.num_nodes)
+    strategy, shard = strategies.build(cfg.strategy.name, cfg.distributed.timeout_s, devices, num_nodes)
+    datamodule = PerplexityDataModule(
+        instantiate(cfg.data),
+        model_spec.tokenizer(),
+        mode=cfg.eval.mode,
+        seq_len=cfg.eval.seq_len,
+        stride=cfg.eval.stride,
+        batch_size=cfg.batch_size,
+        limits=model_spec.limits(),
+    )
+    module = PerplexityModule(model_spec, chunk_size=cfg.eval.chunk_size, shard=shard)
+    trainer = L.Trainer(
+        **cfg.trainer,
+        strategy=strategy,
+        precision=cfg.precision,
+        logger=False,
+        callbacks=[TokensPerSecondBar()],
+        use_distributed_sampler=False,  # ours is exact: Lightning's repeats samples to even out ranks
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.validate(module, datamodule=datamodule, verbose=False)
+    run = {
+        "mode": cfg.eval.mode,
+        "seq_len": cfg.eval.seq_len,
+        "stride": cfg.eval.stride,
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+        "strategy": cfg.strategy.name,
+        "precision": str(trainer.precision),
+        "model": model_spec.path,
+    }
+    results = build_results(module.result, run, OmegaConf.to_container(cfg, resolve=True))
+    if trainer.is_global_zero:
+        path = write_json_atomic(Path(cfg.output_dir) / "results.json", results)
+        print_table(results)
+        if model_spec.is_builtin:
+            print("note: the built-in model has random weights, so its perplexity is near its vocabulary size (258).")
+        print(f"results: {path}")
+    return results
+
+
+@hydra.main(version_base="1.3", config_path=conf_dir(), config_name="validate")
+def main(cfg: DictConfig) -> None:
+    try:
+        evaluate(cfg)
+    except USER_ERRORS as err:
+        print(f"lit-ppl: error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

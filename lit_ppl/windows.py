@@ -1,0 +1,133 @@
+"""Evaluation windows: which tokens each forward pass sees and which of its predictions it scores.
+
+All modes work on one flat token array, the concatenation of ``[BOS] + document`` for every document. A
+window is ``(start, end, score_from)`` in that array: the model reads ``tokens[start:end]``, predicts
+``tokens[start + 1 : end + 1]`` and scores the predicted positions ``p`` with ``p >= score_from`` that are
+not a document's BOS. Every document token is scored by exactly one window in every mode:
+
+* ``rolling`` — lm-evaluation-harness ``loglikelihood_rolling`` (``get_rolling_token_windows`` with
+  ``context_len=1`` then ``make_disjoint_window``): per document, disjoint prediction windows of
+  ``seq_len`` tokens; later windows read exactly ``seq_len`` inputs ending just before their last target.
+* ``sliding`` — the Hugging Face strided window (``max_length=seq_len``, ``stride``): each window reads up
+  to ``seq_len - 1`` inputs and scores only the targets the previous window did not.
+* ``block`` — the whole stream cut into disjoint blocks of ``seq_len`` inputs; documents share windows,
+  each block's first input is context only (it was the previous block's last target).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+Mode = Literal["rolling", "sliding", "block"]
+MODES: tuple[str, ...] = ("rolling", "sliding", "block")
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Evaluation windows as parallel int64 arrays, one entry per window.
+
+    ``documents``/``words``/``bytes`` count the documents whose *first* token the window scores, so that
+    summing them over any partition of the windows counts each document exactly once.
+    """
+
+    start: np.ndarray
+    end: np.ndarray
+    score_from: np.ndarray
+    documents: np.ndarray
+    words: np.ndarray
+    bytes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Input tokens of each window (its compute cost)."""
+        return self.end - self.start
+
+
+def doc_offsets(doc_lengths: np.ndarray) -> np.ndarray:
+    """Position of each document's BOS in the flat ``[BOS] + doc`` concatenation."""
+    sizes = np.asarray(doc_lengths, dtype=np.int64) + 1
+    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+
+
+def _rolling(offset: int, n: int, seq_len: int) -> list[tuple[int, int, int]]:
+    first = min(seq_len, n)
+    out = [(offset, offset + first, offset + 1)]
+    predicted = first
+    while predicted < n:
+        end = predicted + min(n - predicted, seq_len)
+        out.append((offset + end - seq_len, offset + end, offset + predicted + 1))
+        predicted = end
+    return out
+
+
+def _sliding(offset: int, n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
+    # HF's loop over the stream [BOS] + doc of length n + 1: window [begin, end_loc) reads
+    # end_loc - begin - 1 inputs and scores the targets from the previous end_loc on.
+    stream_len, prev_end, out = n + 1, 1, []
+    for begin in range(0, stream_len, stride):
+        end_loc = min(begin + seq_len, stream_len)
+        out.append((offset + begin, offset + end_loc - 1, offset + max(prev_end, begin + 1)))
+        prev_end = end_loc
+        if end_loc == stream_len:
+            break
+    return out
+
+
+def build_windows(
+    mode: str,
+    doc_lengths: np.ndarray,
+    seq_len: int,
+    stride: int | None = None,
+    doc_words: np.ndarray | None = None,
+    doc_bytes: np.ndarray | None = None,
+) -> Windows:
+    """Cut documents of ``doc_lengths`` tokens into evaluation windows of at most ``seq_len`` inputs.
+
+    Examples:
+        >>> w = build_windows("rolling", np.array([5]), seq_len=2)
+        >>> [(int(a), int(b), int(s)) for a, b, s in zip(w.start, w.end, w.score_from)]
+        [(0, 2, 1), (2, 4, 3), (3, 5, 5)]
+    """
+    lengths = np.asarray(doc_lengths, dtype=np.int64)
+    if mode not in MODES:
+        raise ValueError(f"eval.mode={mode!r} is not one of {', '.join(MODES)}")
+    if seq_len < 1 or (mode == "sliding" and seq_len < 2):
+        raise ValueError(f"eval.seq_len={seq_len} is too small for mode {mode!r} (need >= {1 + (mode == 'sliding')})")
+    if mode == "sliding" and (stride is None or not 1 <= stride <= seq_len - 1):
+        raise ValueError(f"eval.stride={stride} must be in [1, seq_len - 1 = {seq_len - 1}] for sliding mode")
+    if len(lengths) == 0 or (lengths < 1).any():
+        bad = np.flatnonzero(lengths < 1)
+        raise ValueError(f"documents {bad[:5].tolist()} have no tokens; every document needs at least one")
+    words = np.zeros_like(lengths) if doc_words is None else np.asarray(doc_words, dtype=np.int64)
+    nbytes = np.zeros_like(lengths) if doc_bytes is None else np.asarray(doc_bytes, dtype=np.int64)
+    offsets = doc_offsets(lengths)
+
+    if mode == "block":
+        total = int(offsets[-1] + lengths[-1] + 1)
+        start = np.arange(0, total - 1, seq_len, dtype=np.int64)
+        end = np.minimum(start + seq_len, total - 1)
+        owner = (offsets + 1 - 1) // seq_len  # block scoring each document's first token
+        counts = [
+            np.bincount(owner, weights=v, minlength=len(start)).astype(np.int64)
+            for v in (np.ones_like(lengths), words, nbytes)
+        ]
+        return Windows(start, end, start + 1, *counts)
+
+    rows: list[tuple[int, int, int]] = []
+    firsts = np.empty(len(lengths), dtype=np.int64)
+    for i, (offset, n) in enumerate(zip(offsets.tolist(), lengths.tolist(), strict=False)):
+        firsts[i] = len(rows)
+        rows.extend(_rolling(offset, n, seq_len) if mode == "rolling" else _sliding(offset, n, seq_len, stride))
+    arr = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+    counts = []
+    for v in (np.ones_like(lengths), words, nbytes):
+        c = np.zeros(len(arr), dtype=np.int64)
+        c[firsts] = v
+        counts.append(c)
+    return Windows(arr[:, 0], arr[:, 1], arr[:, 2], *counts)
