@@ -98,10 +98,18 @@ class ModelSpec:
                 eos_token_id=ByteTokenizer.eos_id,
                 tie_word_embeddings=True,
             )
-            # Seeded locally so the same seed gives the same weights on every rank and every run.
+            # Seeded locally, and always drawn in float32 then cast, so the same seed gives the same weights
+            # on every rank, in every run and under every precision (a "*-true" plugin changes the default
+            # dtype while the model is built, and a float64 draw is a different draw).
+            default_dtype = torch.get_default_dtype()
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.seed)
-                model = LlamaForCausalLM(config).to(dtype)
+                torch.set_default_dtype(torch.float32)
+                try:
+                    model = LlamaForCausalLM(config)
+                finally:
+                    torch.set_default_dtype(default_dtype)
+            model = model.to(dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 str(Path(self.path).expanduser()), dtype=dtype, **self._pretrained_kwargs

@@ -46,11 +46,15 @@ class PerplexityModule(L.LightningModule):
         chunk_size: scored positions per output-head chunk (bounds the logits memory).
         shard: a callable ``shard(scorer, module)`` that wraps the built model for the strategy (FSDP);
             ``None`` leaves it to the strategy (DDP replicates, single device does nothing).
+        quantize: a callable ``quantize(lm) -> report`` applied after the model is built and before it is
+            sharded; the report's ``quantized_params`` (names in ``lm``) are kept out of DDP/FSDP wrapping,
+            whose hooks cannot handle torchao's quantized tensors.
     """
 
-    def __init__(self, model: ModelSpec, chunk_size: int = 1024, shard: Any = None) -> None:
+    def __init__(self, model: ModelSpec, chunk_size: int = 1024, shard: Any = None, quantize: Any = None) -> None:
         super().__init__()
-        self.spec, self.chunk_size, self.shard = model, chunk_size, shard
+        self.spec, self.chunk_size, self.shard, self.quantize = model, chunk_size, shard, quantize
+        self.quant_report: Any = None
         self.scorer: TokenScorer | None = None
         self.metric = Perplexity()
         self.result: dict[str, Any] = {}
@@ -61,7 +65,12 @@ class PerplexityModule(L.LightningModule):
         if self.scorer is not None:
             return
         precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
-        self.scorer = TokenScorer(self.spec.build(LOAD_DTYPE.get(precision, torch.float32)), self.chunk_size)
+        lm = self.spec.build(LOAD_DTYPE.get(precision, torch.float32))
+        if self.quantize is not None:
+            self.quant_report = self.quantize(lm)
+            # Lightning's DDP reads this attribute; FSDP2 gets the same set as ignored_params.
+            self._ddp_params_and_buffers_to_ignore = [f"scorer.lm.{n}" for n in self.quant_report.quantized_params]
+        self.scorer = TokenScorer(lm, self.chunk_size)
         if self.shard is not None:
             self.shard(self.scorer, self)
 

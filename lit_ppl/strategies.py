@@ -44,9 +44,14 @@ def shard_fsdp2(scorer: nn.Module, module: L.LightningModule, hybrid: bool = Fal
         mesh = init_device_mesh(module.device.type, (nodes, world // nodes), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = module.device_mesh["data_parallel"]
+    # torchao's quantized tensors do not support the ops FSDP2 shards with (aten.split): they stay
+    # replicated on every rank.
+    report = getattr(module, "quant_report", None)
+    names = set(report.quantized_params) if report is not None else set()
+    ignored = {p for n, p in scorer.lm.named_parameters() if n in names}
     for block in decoder_blocks(scorer.lm):
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(scorer, mesh=mesh, reshard_after_forward=True)
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=ignored)
+    fully_shard(scorer, mesh=mesh, reshard_after_forward=True, ignored_params=ignored)
 
 
 def build(name: str, timeout_s: float, devices: int, num_nodes: int) -> tuple[Strategy | str, Shard | None]:

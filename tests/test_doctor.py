@@ -21,9 +21,7 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 _LAUNCH_VARS += ("MASTER_ADDR", "MASTER_PORT")
 
 
-def _info(
-    rank: int, world_size: int = 2, node_rank: int = 0, local_rank: int | None = None
-) -> dict[str, Any]:
+def _info(rank: int, world_size: int = 2, node_rank: int = 0, local_rank: int | None = None) -> dict[str, Any]:
     """A minimal rank report, shaped like ``collect_rank_info`` output."""
     return {
         "rank": rank,
@@ -115,9 +113,7 @@ def test_resolve_dist_env_torchrun_missing_variable_is_named() -> None:
     with pytest.raises(DistEnvError, match="MASTER_PORT"):
         resolve_dist_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "a"})
     with pytest.raises(DistEnvError, match="RANK=2"):
-        resolve_dist_env(
-            {"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "a", "MASTER_PORT": "1"}
-        )
+        resolve_dist_env({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
 
 
 def test_resolve_dist_env_slurm() -> None:
@@ -142,14 +138,10 @@ def test_resolve_dist_env_slurm() -> None:
     assert env.master_addr == "gpu07"
     assert env.launcher == "slurm"
     # Every task of the job must derive the same port from the job id alone.
-    assert (
-        env.master_port == resolve_dist_env(dict(environ, SLURM_PROCID="0"), hostnames=hostnames).master_port
-    )
+    assert env.master_port == resolve_dist_env(dict(environ, SLURM_PROCID="0"), hostnames=hostnames).master_port
     assert 1024 < env.master_port < 65536
 
-    explicit = resolve_dist_env(
-        dict(environ, MASTER_ADDR="10.1.1.1", MASTER_PORT="29400"), hostnames=hostnames
-    )
+    explicit = resolve_dist_env(dict(environ, MASTER_ADDR="10.1.1.1", MASTER_PORT="29400"), hostnames=hostnames)
     assert (explicit.master_addr, explicit.master_port) == ("10.1.1.1", 29400)
     assert len(seen) == 2  # no nodelist expansion when MASTER_ADDR is given
 

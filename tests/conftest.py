@@ -1,0 +1,61 @@
+"""Shared fixtures: the real test data, composed Hydra configs, and subprocess runs of the entry point."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+STORIES = SHARED / "stories260K"
+TINYSTORIES = SHARED / "tinystories_sample.txt"
+WIKITEXT = SHARED / "wikitext-2" / "valid.tokens.txt"
+
+# Tests never reach a hub: everything is local files or built from a config.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def require_shared() -> None:
+    if not STORIES.is_dir() or not TINYSTORIES.is_file():
+        pytest.skip(f"the shared test data is absent (expected {SHARED})")
+
+
+@pytest.fixture
+def stories() -> Path:
+    require_shared()
+    return STORIES
+
+
+@pytest.fixture
+def compose(tmp_path):
+    """Compose the real config tree with overrides; output and caches go to the test's tmp dir."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from lit_ppl.validate import conf_dir
+
+    def _compose(*overrides: str):
+        defaults = [f"output_dir={tmp_path / 'out'}", f"data.cache_dir={tmp_path / 'cache'}"]
+        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+            return hydra_compose("validate", overrides=[*defaults, *overrides])
+
+    return _compose
+
+
+def run_entry(
+    args: list[str], tmp_path: Path, timeout: float = 240, env: dict | None = None, module: str = "lit_ppl.validate"
+):
+    """Run ``python -m lit_ppl.validate ARGS`` in a fresh process; return (completed process, results or None)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", module, f"output_dir={out}", f"hydra.run.dir={out}", *args]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout)
+    results = out / "results.json"
+    return proc, (json.loads(results.read_text()) if results.is_file() else None)
