@@ -9,6 +9,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from lit_ppl.distributed import check_peers, control_group
 from lit_ppl.metric import Perplexity
 from lit_ppl.models import ModelSpec, decoder_and_head, head_fn
 from lit_ppl.nll import chunked_nll
@@ -49,11 +50,20 @@ class PerplexityModule(L.LightningModule):
         quantize: a callable ``quantize(lm) -> report`` applied after the model is built and before it is
             sharded; the report's ``quantized_params`` (names in ``lm``) are kept out of DDP/FSDP wrapping,
             whose hooks cannot handle torchao's quantized tensors.
+        timeout_s: how long the final synchronisation waits for every rank before naming the missing ones.
     """
 
-    def __init__(self, model: ModelSpec, chunk_size: int = 1024, shard: Any = None, quantize: Any = None) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        chunk_size: int = 1024,
+        shard: Any = None,
+        quantize: Any = None,
+        timeout_s: float = 300.0,
+    ) -> None:
         super().__init__()
         self.spec, self.chunk_size, self.shard, self.quantize = model, chunk_size, shard, quantize
+        self.timeout_s = timeout_s
         self.quant_report: Any = None
         self.scorer: TokenScorer | None = None
         self.metric = Perplexity()
@@ -77,6 +87,7 @@ class PerplexityModule(L.LightningModule):
     def on_validation_start(self) -> None:
         # Precision plugins cast the whole module, metric states included; restore float64.
         self.metric.set_dtype(torch.float64)
+        self._control = control_group()
         self._first_bad_step = torch.tensor(-1, device=self.device)
         self._t0 = time.perf_counter()
 
@@ -92,6 +103,7 @@ class PerplexityModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         seconds = time.perf_counter() - self._t0
         t_sync = time.perf_counter()
+        check_peers(self._control, self.timeout_s, "the final metric sync")
         stats = self.metric.compute()  # the one cross-rank synchronisation of the metric
         sync_s = time.perf_counter() - t_sync
         per_rank = self.all_gather(

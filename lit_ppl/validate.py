@@ -23,17 +23,18 @@ from typing import Any
 
 import hydra
 import lightning as L
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lit_ppl import strategies
+from lit_ppl import compare, quantize, strategies
 from lit_ppl.data import PerplexityDataModule
-from lit_ppl.module import PerplexityModule
+from lit_ppl.distributed import RankFailure, first_line, rank
 from lit_ppl.progress import TokensPerSecondBar
 from lit_ppl.results import build_results, print_table, write_json_atomic
 
-# Errors that mean "the input was wrong": reported as one line, without a traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, FloatingPointError)
+# Errors that mean "the input was wrong" or "a peer failed": reported as one line, without a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, FloatingPointError, RankFailure)
 
 
 def conf_dir() -> str:
@@ -60,7 +61,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         batch_size=cfg.batch_size,
         limits=model_spec.limits(),
     )
-    module = PerplexityModule(model_spec, chunk_size=cfg.eval.chunk_size, shard=shard)
+    # --- issue 4: quantization and the reference comparison
+    quantizer = quantize.build(OmegaConf.to_container(cfg.quant, resolve=True))
+    compare_cfg = OmegaConf.to_container(cfg.compare, resolve=True) if "compare" in cfg else None
+    module = compare.build_module(
+        compare_cfg, model_spec, cfg.eval.chunk_size, shard, quantizer, timeout_s=cfg.distributed.timeout_s
+    )
+    # --- end issue 4
     trainer = L.Trainer(
         **cfg.trainer,
         strategy=strategy,
@@ -83,9 +90,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "model": model_spec.path,
     }
     results = build_results(module.result, run, OmegaConf.to_container(cfg, resolve=True))
+    results.update(compare.extra_results(module))  # issue 4: "quant", and "reference_quant"/"compare" if comparing
     if trainer.is_global_zero:
         path = write_json_atomic(Path(cfg.output_dir) / "results.json", results)
         print_table(results)
+        if results.get("compare"):  # issue 4
+            compare.print_table(results["compare"])
         if model_spec.is_builtin:
             print("note: the built-in model has random weights, so its perplexity is near its vocabulary size (258).")
         print(f"results: {path}")
@@ -98,6 +108,13 @@ def main(cfg: DictConfig) -> None:
         evaluate(cfg)
     except USER_ERRORS as err:
         print(f"lit-ppl: error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except torch.distributed.DistError as err:
+        # A collective failed because a peer went away: one line per surviving rank, not a page of C++.
+        print(
+            f"lit-ppl: error: rank {rank()}: a collective failed, another rank probably died: {first_line(err)}",
+            file=sys.stderr,
+        )
         sys.exit(1)
 
 

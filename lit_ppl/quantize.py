@@ -1,0 +1,393 @@
+"""Weight quantization with torchao's ``quantize_``: configs, per-module policies, a report, rank consistency.
+
+A *plan* decides, for every ``nn.Linear`` and ``nn.Embedding`` of the model, which scheme it gets (``none``,
+``int8``, ``int8dq``, ``int4`` with a group size) or why it gets none; the plan is applied with ``quantize_``
+and a ``filter_fn`` per scheme, and the :class:`QuantReport` records all of it. Nothing is skipped silently:
+a layer a scheme cannot take (``in_features`` not divisible by the group size) is listed with the reason.
+
+Tied weights (``tie_word_embeddings``: the output head and the input embeddings are one tensor) are quantized
+once, for both, so the tie holds; when the rules give the two different schemes the plan refuses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+SCHEMES = ("none", "int8", "int8dq", "int4")
+GROUP_SIZES = (32, 64, 128, 256)
+ROLES = ("attention", "mlp", "head", "embeddings", "linear")
+INT4_BACKENDS = ("auto", "tinygemm", "prototype", "intx")
+SOURCES = ("local", "rank0")
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks hold different quantized weights: their results would not be one model's."""
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One quantization scheme: ``kind`` in :data:`SCHEMES`, and the group size of ``int4``."""
+
+    kind: str
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCHEMES:
+            raise ValueError(f"quantization config {self.kind!r} is not one of {', '.join(SCHEMES)}")
+        if self.kind == "int4" and self.group_size not in GROUP_SIZES:
+            raise ValueError(f"int4 needs group_size in {GROUP_SIZES}, got {self.group_size}")
+
+    @property
+    def label(self) -> str:
+        return f"int4-g{self.group_size}" if self.kind == "int4" else self.kind
+
+
+NONE = Scheme("none")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Modules whose name matches ``match`` (``re.search``) or that play ``role`` get ``scheme``."""
+
+    scheme: Scheme
+    match: str | None = None
+    role: str | None = None
+    why: str = ""
+
+    def matches(self, name: str, roles: set[str]) -> bool:
+        return (self.match is not None and re.search(self.match, name) is not None) or self.role in roles
+
+    def describe(self) -> str:
+        return self.why or (f"role {self.role}" if self.role else f"match {self.match!r}")
+
+
+@dataclass
+class QuantReport:
+    """What quantization did; ``to_dict()`` goes into ``results.json`` under ``quant``."""
+
+    name: str
+    source: str
+    backend: dict[str, str] = field(default_factory=dict)  # scheme label -> torchao config and tensor type
+    modules: dict[str, dict[str, Any]] = field(default_factory=dict)
+    weight_bytes_before: int = 0
+    weight_bytes_after: int = 0
+    quantized_params: list[str] = field(default_factory=list)  # names in lm.named_parameters()
+    consistency: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Modules a rule asked to quantize that could not be, with the reason."""
+        return {n: m["reason"] for n, m in self.modules.items() if m.get("requested") and m["config"] is None}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "source": self.source,
+            "backend": self.backend,
+            "weight_bytes_before": self.weight_bytes_before,
+            "weight_bytes_after": self.weight_bytes_after,
+            "quantized_modules": sum(m["config"] is not None for m in self.modules.values()),
+            "skipped": self.skipped,
+            "modules": self.modules,
+            "consistency": self.consistency,
+        }
+
+
+def rules_from_cfg(cfg: dict[str, Any]) -> list[Rule]:
+    """The ordered rules of a ``quant`` config: one catch-all rule for ``int8``/``int8dq``/``int4``, or ``rules``."""
+    name = cfg.get("name", "none")
+    if name == "policy":
+        rules = []
+        for i, r in enumerate(cfg.get("rules") or []):
+            if ("match" in r) == ("role" in r):
+                raise ValueError(f"quant.rules[{i}] needs exactly one of 'match' (a regex) or 'role', got {r}")
+            if r.get("role") is not None and r["role"] not in ROLES:
+                raise ValueError(f"quant.rules[{i}].role={r['role']!r} is not one of {', '.join(ROLES)}")
+            scheme = Scheme(r.get("config", "none"), r.get("group_size", cfg.get("group_size")))
+            rules.append(Rule(scheme, r.get("match"), r.get("role"), f"rule {i} ({r.get('role') or r.get('match')})"))
+        if not rules:
+            raise ValueError("quant=policy needs quant.rules: a list of {role|match, config[, group_size]}")
+        return rules
+    scheme = Scheme(name, cfg.get("group_size") if name == "int4" else None)
+    keep_head = [] if cfg.get("head", False) else [Rule(NONE, role="head", why="output head kept (quant.head=false)")]
+    return [*keep_head, Rule(scheme, role="linear", why=f"quant={name}")]
+
+
+def module_roles(lm: nn.Module) -> dict[str, set[str]]:
+    """Every ``nn.Linear``/``nn.Embedding`` by name, with its roles (a module may have several)."""
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    inner: dict[str, set[str]] = {}
+    for name, mod in lm.named_modules():
+        kind = type(mod).__name__.lower()
+        role = "attention" if "attention" in kind else "mlp" if ("mlp" in kind or "feedforward" in kind) else None
+        if role:  # everything below an attention/MLP block plays that block's role
+            for sub, _ in mod.named_modules():
+                inner.setdefault(f"{name}.{sub}".strip("."), set()).add(role)
+    out = {}
+    for name, mod in lm.named_modules():
+        if isinstance(mod, nn.Linear | nn.Embedding):
+            roles = set(inner.get(name, ()))
+            roles.add("embeddings" if isinstance(mod, nn.Embedding) else "linear")
+            if mod is head:
+                roles.add("head")
+            out[name] = roles
+    return out
+
+
+def plan(
+    lm: nn.Module, rules: list[Rule], backend: str = "auto"
+) -> tuple[dict[str, tuple[Scheme, str | None]], dict[str, dict[str, Any]]]:
+    """Decide each module's scheme: ``({name: (scheme, int4 backend)}, {name: report entry})``."""
+    decided: dict[str, tuple[Scheme, Rule | None]] = {}
+    for name, roles in module_roles(lm).items():
+        rule = next((r for r in rules if r.matches(name, roles)), None)
+        decided[name] = (rule.scheme if rule else NONE, rule)
+    modules = dict(lm.named_modules())
+    owner: dict[int, str] = {}
+    tied: dict[str, str] = {}  # second name -> first name holding the same weight
+    for name in decided:
+        key = id(modules[name].weight)
+        if key in owner:
+            tied[name] = owner[key]
+        else:
+            owner[key] = name
+    for second, first in tied.items():
+        (s1, r1), (s2, r2) = decided[first], decided[second]
+        if r1 and r2 and s1 != s2:
+            raise ValueError(
+                f"{first} and {second} share one weight (tied embeddings) but the rules give {s1.label} "
+                f"({r1.describe()}) and {s2.label} ({r2.describe()}); give both the same config"
+            )
+        decided[first] = decided[second] = (s1, r1) if r1 else (s2, r2)
+    apply_: dict[str, tuple[Scheme, str | None]] = {}
+    report: dict[str, dict[str, Any]] = {}
+    for name, (scheme, rule) in decided.items():
+        weight = modules[name].weight
+        entry: dict[str, Any] = {"config": None, "rule": rule.describe() if rule else None}
+        if name in tied:
+            entry["tied_to"] = tied[name]
+        if rule is None or scheme.kind == "none":
+            entry["reason"] = "no rule matches" if rule is None else f"{rule.describe()} says none"
+        else:
+            embedding = isinstance(modules[name], nn.Embedding)
+            kernel = int4_backend(backend, weight.device, weight.dtype, embedding) if scheme.kind == "int4" else None
+            problem = shape_problem(scheme, kernel, weight)
+            if problem:
+                entry["requested"], entry["reason"] = scheme.label, problem
+            else:
+                entry["config"] = scheme.label
+                if name not in tied:  # the tied twin is quantized through its first name
+                    apply_[name] = (scheme, kernel)
+        report[name] = entry
+    return apply_, report
+
+
+def int4_backend(requested: str, device: torch.device, dtype: torch.dtype, embedding: bool) -> str:
+    """Which int4 implementation runs here; a clear error for a combination that cannot run."""
+    if requested not in INT4_BACKENDS:
+        raise ValueError(f"quant.backend={requested!r} is not one of {', '.join(INT4_BACKENDS)}")
+    if requested == "auto":
+        # Embedding lookups need aten.embedding, which only the unpacked intx tensor implements.
+        if embedding:
+            return "intx"
+        if device.type == "cuda" and dtype == torch.bfloat16:
+            return "tinygemm"
+        return "prototype" if device.type == "cpu" and dtype == torch.bfloat16 else "intx"
+    needs = {"tinygemm": ("cuda", "Int4WeightOnlyConfig", "on a GPU"), "prototype": ("cpu", "Prototype", "on CPU")}
+    if requested in needs and (device.type != needs[requested][0] or dtype != torch.bfloat16 or embedding):
+        want, cls, where = needs[requested]
+        raise ValueError(
+            f"quant.backend={requested} ({cls}...) needs {want.upper()}, bfloat16 weights and linear layers; this is "
+            f"{device.type}/{str(dtype).removeprefix('torch.')}: use precision=bf16-true {where}, or quant.backend=intx"
+        )
+    return requested
+
+
+def shape_problem(scheme: Scheme, backend: str | None, weight: torch.Tensor) -> str | None:
+    """Why ``scheme`` cannot take this weight (``None`` if it can)."""
+    if scheme.kind != "int4":
+        return None
+    out_features, in_features = weight.shape[0], weight.shape[-1]
+    if in_features % scheme.group_size:
+        return f"in_features {in_features} is not divisible by group_size {scheme.group_size}"
+    multiple = {"prototype": 16, "tinygemm": 8}.get(backend or "", 1)  # the packed kernels' tile widths
+    if out_features % multiple:
+        return f"out_features {out_features} is not a multiple of {multiple}, which the {backend} int4 packing needs"
+    return None
+
+
+def torchao_config(scheme: Scheme, backend: str | None) -> tuple[Any, str]:
+    """The torchao config for ``scheme`` (``backend`` resolved by :func:`int4_backend`) and its description."""
+    from torchao.quantization import (
+        Int4WeightOnlyConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+        IntxWeightOnlyConfig,
+        PerGroup,
+    )
+
+    if scheme.kind == "int8":
+        return Int8WeightOnlyConfig(), "Int8WeightOnlyConfig (Int8Tensor, per-row)"
+    if scheme.kind == "int8dq":
+        return Int8DynamicActivationInt8WeightConfig(), "Int8DynamicActivationInt8WeightConfig (Int8Tensor, per-row)"
+    g = scheme.group_size
+    if backend == "tinygemm":
+        cfg = Int4WeightOnlyConfig(group_size=g, int4_packing_format="tile_packed_to_4d")
+        return cfg, f"Int4WeightOnlyConfig(group_size={g}, tile_packed_to_4d) (tinygemm, CUDA)"
+    if backend == "prototype":
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+        return PrototypeInt4WeightOnlyConfig(group_size=g), f"PrototypeInt4WeightOnlyConfig(group_size={g}) (CPU)"
+    cfg = IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(g))
+    return cfg, f"IntxWeightOnlyConfig(int4, PerGroup({g})) (int4 values stored one per int8, any device)"
+
+
+def inner_tensors(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The plain tensors a (possibly torchao) tensor is made of: data, scales, zero points."""
+    if not hasattr(t, "__tensor_flatten__"):
+        return [("", t)]
+    names, _ = t.__tensor_flatten__()
+    return [(f"{n}{'.' + s if s else ''}", x) for n in names for s, x in inner_tensors(getattr(t, n))]
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return sum(x.numel() * x.element_size() for _, x in inner_tensors(t))
+
+
+def digest(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's inner tensors (bytes, dtypes and shapes)."""
+    h = hashlib.sha256()
+    for name, x in inner_tensors(t):
+        x = x.detach().contiguous().cpu()
+        h.update(f"{name}|{x.dtype}|{tuple(x.shape)}|".encode())
+        h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the initialised process group, or ``(0, 1)``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def check_consistency(lm: nn.Module, names: list[str]) -> dict[str, Any]:
+    """Hash every quantized parameter on every rank and compare; raise naming the modules that differ."""
+    import torch.distributed as dist
+
+    params = dict(lm.named_parameters())
+    local = {n: digest(params[n]) for n in names if n in params}
+    _, size = world()
+    total = hashlib.sha256("".join(f"{n}={d};" for n, d in sorted(local.items())).encode()).hexdigest()
+    if size == 1:
+        return {"world_size": 1, "checked": False, "digest": total}
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, local)
+    differing = sorted(
+        {
+            n
+            for r in range(1, size)
+            for n in set(gathered[0]) | set(gathered[r])
+            if gathered[0].get(n) != gathered[r].get(n)
+        }
+    )
+    if differing:
+        bad_ranks = [r for r in range(1, size) if gathered[r] != gathered[0]]
+        shown = ", ".join(m.removesuffix(".weight") for m in differing[:20])
+        raise RankMismatchError(
+            f"quantized weights differ across ranks (ranks {bad_ranks} vs rank 0) in {len(differing)} modules: "
+            f"{shown}{' ...' if len(differing) > 20 else ''}. Ranks loaded different weights or their kernels "
+            "quantize differently; use quant.source=rank0 to quantize on rank 0 and broadcast"
+        )
+    return {"world_size": size, "checked": True, "digest": total}
+
+
+def broadcast_from_rank0(lm: nn.Module, names: list[str]) -> None:
+    """Replace every rank's quantized parameters with rank 0's (pickled, one module at a time)."""
+    import torch.distributed as dist
+
+    rank, _ = world()
+    modules = dict(lm.named_modules())
+    for name in names:
+        mod_name, _, attr = name.rpartition(".")
+        mod = modules[mod_name]
+        device = getattr(mod, attr).device
+        # Pickled through the CPU: other ranks' tensors may not even have rank 0's types or shapes.
+        box = [getattr(mod, attr).detach().cpu() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        setattr(mod, attr, nn.Parameter(box[0].to(device), requires_grad=False))
+
+
+def quantize_model(lm: nn.Module, cfg: dict[str, Any]) -> QuantReport:
+    """Apply the ``quant`` config ``cfg`` to ``lm`` in place and return the report."""
+    from torchao.quantization import quantize_
+
+    source = cfg.get("source", "local")
+    report = QuantReport(name=cfg.get("name", "none"), source=source)
+    report.weight_bytes_before = sum(tensor_bytes(p) for _, p in lm.named_parameters())
+    todo, report.modules = plan(lm, rules_from_cfg(cfg), cfg.get("backend", "auto"))
+    modules = dict(lm.named_modules())
+    before = {n: tensor_bytes(modules[n].weight) for n in report.modules}
+    twins = {n: e["tied_to"] for n, e in report.modules.items() if "tied_to" in e}
+    rank, size = world()
+    broadcast = source == "rank0" and size > 1
+    for scheme, kernel in sorted(set(todo.values()), key=lambda sk: (sk[0].label, sk[1] or "")):
+        names = {n for n, sk in todo.items() if sk == (scheme, kernel)}
+        config, backend = torchao_config(scheme, kernel)
+        report.backend[f"{scheme.label} ({kernel})" if kernel else scheme.label] = backend
+        if broadcast and rank != 0:
+            continue  # quantized once, on rank 0, and received below
+        seen: list[str] = []
+
+        def chosen(module: nn.Module, name: str, names: set[str] = names, seen: list[str] = seen) -> bool:
+            if name in names:
+                seen.append(name)  # remembered so an error can name the module
+                return True
+            return False
+
+        try:
+            quantize_(lm, config, filter_fn=chosen)
+        except Exception as err:
+            raise ValueError(f"{backend} failed on {seen[-1] if seen else lm.__class__.__name__}: {err}") from err
+    if broadcast:
+        broadcast_from_rank0(lm, [f"{n}.weight" for n in sorted(todo)])
+    for second, first in twins.items():  # re-tie: the twin shares its first's quantized weight
+        modules[second].weight = modules[first].weight
+    for name, entry in report.modules.items():
+        entry["bytes_before"], entry["bytes_after"] = before[name], tensor_bytes(modules[name].weight)
+    report.weight_bytes_after = sum(tensor_bytes(p) for _, p in lm.named_parameters())
+    quantized = {id(p) for p in lm.parameters() if hasattr(p, "__tensor_flatten__")}
+    report.quantized_params = [n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) in quantized]
+    report.consistency = check_consistency(lm, [n for n, p in lm.named_parameters() if id(p) in quantized])
+    skipped = report.skipped
+    if skipped:
+        log.warning(
+            "quantization skipped %d modules: %s", len(skipped), "; ".join(f"{n}: {r}" for n, r in skipped.items())
+        )
+    return report
+
+
+def build(cfg: dict[str, Any]) -> Callable[[nn.Module], QuantReport] | None:
+    """The ``quantize(lm) -> QuantReport`` callable for a ``quant`` config, or ``None`` for ``quant=none``.
+
+    The rules are parsed now, so a bad config fails before any model is loaded.
+    """
+    cfg = dict(cfg)
+    if cfg.get("name", "none") == "none":
+        return None
+    rules_from_cfg(cfg)
+    if cfg.get("source", "local") not in SOURCES:
+        raise ValueError(f"quant.source={cfg['source']!r} is not one of {', '.join(SOURCES)}")
+    return lambda lm: quantize_model(lm, cfg)
