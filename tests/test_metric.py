@@ -62,7 +62,7 @@ def test_states_float64_after_module_cast_and_set_dtype():
     metric.update(torch.tensor([0.123456789]))
     metric.to(torch.bfloat16)  # what a "*-true" precision plugin does to the whole LightningModule
     assert metric.nll_sum.dtype == torch.bfloat16
-    with pytest.raises(RuntimeError, match="expected torch.float64"):
+    with pytest.raises(RuntimeError, match=r"expected torch\.float64"):
         metric.compute()
     metric.set_dtype(torch.float64)
     metric.reset()

@@ -35,7 +35,7 @@ def _scored(mode, lengths, stride=None):
 @pytest.mark.parametrize("mode,stride", [("rolling", None), ("sliding", 3), ("sliding", L - 1), ("block", None)])
 @pytest.mark.parametrize("lengths", [[n] for n in EDGE_LENGTHS] + [EDGE_LENGTHS])
 def test_every_token_scored_exactly_once(mode, stride, lengths):
-    corpus, w, scored, _ = _scored(mode, lengths, stride)
+    _, w, scored, _ = _scored(mode, lengths, stride)
     expected = [1000 * (d + 1) + i for d, n in enumerate(lengths) for i in range(n)]
     assert sorted(scored) == expected
     assert (w.lengths <= L).all() and (w.lengths >= 1).all()
