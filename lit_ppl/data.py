@@ -19,7 +19,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from lit_ppl.sampler import PAD, ExactBatchSampler
 from lit_ppl.tokenizer import Tokenizer
@@ -199,6 +199,24 @@ class WindowCollator:
         }
 
 
+class WindowIds(Dataset):
+    """The identity over window ids: the sampler yields ids (``PAD`` included), the collator builds tensors.
+
+    Not ``range(n)``: ``range(n)[PAD]`` is the last window, which would then be scored twice.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if not (i == PAD or 0 <= i < self.n):
+            raise IndexError(f"window id {i} out of range [0, {self.n})")
+        return i
+
+
 class PerplexityDataModule(L.LightningDataModule):
     """Evaluation windows over a corpus, sharded exactly over the trainer's ranks.
 
@@ -231,6 +249,7 @@ class PerplexityDataModule(L.LightningDataModule):
         self.batch_size, self.num_workers = batch_size, num_workers
         self.corpus: Corpus | None = None
         self.windows: Windows | None = None
+        self.skip_batches = 0  # set when resuming: this many batches of every rank are already done
 
     def prepare_data(self) -> None:
         # Lightning runs this on one process per node before setup(): it fills the tokenization cache
@@ -264,8 +283,8 @@ class PerplexityDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         return DataLoader(
-            range(len(self.windows)),  # the sampler yields window ids; the collator builds the tensors
-            batch_sampler=self.batch_sampler(rank, world),
+            WindowIds(len(self.windows)),
+            batch_sampler=self.batch_sampler(rank, world, self.skip_batches),
             collate_fn=WindowCollator(self.corpus, self.windows),
             num_workers=self.num_workers,
         )

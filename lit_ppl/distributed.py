@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -19,16 +21,36 @@ def rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
 
 
-def control_group() -> dist.ProcessGroup | None:
-    """A gloo group for health checks (``monitored_barrier`` is gloo-only); ``None`` when not distributed.
+_CONTROL: dict[int, dist.ProcessGroup] = {}
 
-    Must be called by every rank at the same point, like any group creation.
+
+def control_group() -> dist.ProcessGroup | None:
+    """A gloo group for health checks and host-side flags (``monitored_barrier`` is gloo-only, and a CPU
+    all-reduce never syncs the GPU); ``None`` when not distributed.
+
+    The first call must be made by every rank at the same point, like any group creation; later calls return
+    the same group.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     if dist.get_backend() == "gloo":
         return dist.group.WORLD
-    return dist.new_group(backend="gloo")
+    key = id(dist.group.WORLD)
+    if key not in _CONTROL:
+        _CONTROL[key] = dist.new_group(backend="gloo")
+    return _CONTROL[key]
+
+
+@contextmanager
+def peers_alive(where: str) -> Iterator[None]:
+    """Turn a collective that failed because a peer died into one clear :class:`RankFailure`."""
+    try:
+        yield
+    except RuntimeError as err:  # gloo/NCCL errors (DistError is a RuntimeError too)
+        raise RankFailure(
+            f"rank {rank()}: lost contact with another rank during {where} — it died, was killed or raised "
+            f"(see its log): {first_line(err)}"
+        ) from err
 
 
 def check_peers(group: dist.ProcessGroup | None, timeout_s: float, where: str) -> None:

@@ -100,6 +100,23 @@ class PerplexityModule(L.LightningModule):
         self.tokens_seen += batch["targets"].numel()
         self.steps += 1
 
+    def progress_state(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue bit-identically (host copies; called between steps)."""
+        return {
+            "metric": {name: getattr(self.metric, name).detach().cpu().clone() for name in self.metric._defaults},
+            "tokens_seen": self.tokens_seen,
+            "steps": self.steps,
+            "first_bad_step": int(self._first_bad_step),
+        }
+
+    def load_progress_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`progress_state` (after the precision plugin and ``set_dtype`` have run)."""
+        for name, value in state["metric"].items():
+            current = getattr(self.metric, name)
+            setattr(self.metric, name, value.to(device=current.device, dtype=current.dtype))
+        self.tokens_seen, self.steps = state["tokens_seen"], state["steps"]
+        self._first_bad_step = torch.tensor(state["first_bad_step"], device=self.device)
+
     def on_validation_epoch_end(self) -> None:
         seconds = time.perf_counter() - self._t0
         t_sync = time.perf_counter()

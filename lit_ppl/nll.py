@@ -2,7 +2,9 @@
 
 A 70B model with a 128k vocabulary turns one batch of 4 × 2048 tokens into 4 GiB of float32 logits; the
 loss needs none of them at once. We run the decoder to hidden states, gather only the positions that are
-scored, and apply the output head plus ``cross_entropy`` chunk by chunk, upcasting each chunk to float32.
+scored, and apply the output head plus the cross-entropy chunk by chunk, upcasting each chunk to float32.
+The cross-entropy is computed in the chunk's own memory: ``F.cross_entropy`` would allocate a second
+``(chunk, vocab)`` float32 tensor for its log-softmax, doubling the loss path's peak.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 Head = Callable[[torch.Tensor], torch.Tensor]
 
@@ -42,5 +43,24 @@ def chunked_nll(hidden: torch.Tensor, targets: torch.Tensor, head: Head, chunk_s
     for start in range(0, targets.shape[0], chunk_size):
         end = start + chunk_size
         logits = head(hidden[start:end]).to(out_dtype)  # (m, vocab), never wider than one chunk
-        out[start:end] = F.cross_entropy(logits, targets[start:end], reduction="none")
+        out[start:end] = cross_entropy_(logits, targets[start:end])
+        del logits  # else this chunk's logits stay alive while the next chunk's are computed: twice the peak
     return out
+
+
+def cross_entropy_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``F.cross_entropy(logits, targets, reduction="none")`` without a second ``logits``-sized tensor.
+
+    ``-log softmax(x)[t] = log Σ exp(x - max x) + max x - x[t]``, the same formula ``cross_entropy`` evaluates
+    (a row with a NaN or an infinite maximum gives NaN in both), computed in place: ``logits`` is overwritten.
+
+    Examples:
+        >>> import torch
+        >>> x, y = torch.randn(3, 5), torch.tensor([0, 4, 2])
+        >>> torch.allclose(cross_entropy_(x.clone(), y), torch.nn.functional.cross_entropy(x, y, reduction="none"))
+        True
+    """
+    picked = logits.gather(1, targets[:, None]).squeeze(1)
+    maxes = logits.amax(dim=1)
+    logits.sub_(maxes[:, None]).exp_()
+    return logits.sum(dim=1).log_().add_(maxes).sub_(picked)

@@ -16,6 +16,7 @@ from datetime import timedelta
 from functools import partial
 
 import lightning as L
+import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from torch import nn
 
@@ -52,6 +53,30 @@ def shard_fsdp2(scorer: nn.Module, module: L.LightningModule, hybrid: bool = Fal
     for block in decoder_blocks(scorer.lm):
         fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=ignored)
     fully_shard(scorer, mesh=mesh, reshard_after_forward=True, ignored_params=ignored)
+
+
+def precision_args(name: str, precision: str, accelerator: str) -> dict:
+    """Trainer keyword arguments that select ``precision`` under strategy ``name``.
+
+    Lightning refuses ``64-true`` and ``16-mixed`` with ``ModelParallelStrategy`` by a flag check only; given as
+    plugin instances they work with FSDP2 (float64 weights are loaded as such, autocast wraps the step).
+    """
+    if name not in ("fsdp", "hsdp") or precision not in ("64-true", "16-mixed", "64"):
+        return {"precision": precision}
+    from lightning.pytorch.plugins import DoublePrecision, MixedPrecision
+
+    device = (
+        "cuda" if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()) else "cpu"
+    )
+    plugin = DoublePrecision() if precision.startswith("64") else MixedPrecision("16-mixed", device)
+    return {"plugins": [plugin]}
+
+
+def cluster_plugins() -> list:
+    """Under Slurm: Lightning's Slurm environment without its training-checkpoint auto-requeue."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
 
 
 def build(name: str, timeout_s: float, devices: int, num_nodes: int) -> tuple[Strategy | str, Shard | None]:

@@ -32,6 +32,7 @@ from lit_ppl.data import PerplexityDataModule
 from lit_ppl.distributed import RankFailure, first_line, rank
 from lit_ppl.progress import TokensPerSecondBar
 from lit_ppl.results import build_results, print_table, write_json_atomic
+from lit_ppl.resume import EXIT_PREEMPTED, Preempted, ResumeCallback, install_signal_handlers, requeue_if_slurm
 
 # Errors that mean "the input was wrong" or "a peer failed": reported as one line, without a traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, FloatingPointError, RankFailure)
@@ -44,6 +45,10 @@ def conf_dir() -> str:
         if (candidate / "validate.yaml").is_file():
             return str(candidate)
     raise FileNotFoundError(f"no conf/validate.yaml next to {here}; reinstall lit-ppl")
+
+
+# Keys that may change between attempts of the same run without changing its numbers.
+VOLATILE_KEYS = ("output_dir", "distributed", "resume")
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
@@ -61,19 +66,33 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         batch_size=cfg.batch_size,
         limits=model_spec.limits(),
     )
-    # --- issue 4: quantization and the reference comparison
-    quantizer = quantize.build(OmegaConf.to_container(cfg.quant, resolve=True))
-    compare_cfg = OmegaConf.to_container(cfg.compare, resolve=True) if "compare" in cfg else None
     module = compare.build_module(
-        compare_cfg, model_spec, cfg.eval.chunk_size, shard, quantizer, timeout_s=cfg.distributed.timeout_s
+        OmegaConf.to_container(cfg.compare, resolve=True),
+        model_spec,
+        cfg.eval.chunk_size,
+        shard,
+        quantize.build(OmegaConf.to_container(cfg.quant, resolve=True)),
+        timeout_s=cfg.distributed.timeout_s,
     )
-    # --- end issue 4
+    config = OmegaConf.to_container(cfg, resolve=True)
+    callbacks: list[L.Callback] = [TokensPerSecondBar()]
+    if cfg.resume.enabled:
+        stable = {k: v for k, v in config.items() if k not in VOLATILE_KEYS}
+        stable["data"] = {k: v for k, v in stable["data"].items() if k != "cache_dir"}
+        callbacks.append(
+            ResumeCallback(Path(cfg.output_dir) / "progress", stable, cfg.resume.save_every, cfg.resume.check_every)
+        )
+    precision = strategies.precision_args(cfg.strategy.name, str(cfg.precision), str(cfg.trainer.accelerator))
+    # Under Slurm, Lightning's own SIGUSR1 handler would save a training checkpoint and requeue;
+    # lit-ppl saves its progress and requeues itself (lit_ppl.resume).
+    plugins = [*precision.pop("plugins", []), *strategies.cluster_plugins()]
     trainer = L.Trainer(
         **cfg.trainer,
         strategy=strategy,
-        precision=cfg.precision,
+        **precision,
+        plugins=plugins or None,
         logger=False,
-        callbacks=[TokensPerSecondBar()],
+        callbacks=callbacks,
         use_distributed_sampler=False,  # ours is exact: Lightning's repeats samples to even out ranks
         enable_checkpointing=False,
         enable_model_summary=False,
@@ -86,15 +105,15 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
         "strategy": cfg.strategy.name,
-        "precision": str(trainer.precision),
+        "precision": str(cfg.precision),
         "model": model_spec.path,
     }
-    results = build_results(module.result, run, OmegaConf.to_container(cfg, resolve=True))
-    results.update(compare.extra_results(module))  # issue 4: "quant", and "reference_quant"/"compare" if comparing
+    results = build_results(module.result, run, config)
+    results.update(compare.extra_results(module))  # "quant", and "reference_quant"/"compare" when comparing
     if trainer.is_global_zero:
         path = write_json_atomic(Path(cfg.output_dir) / "results.json", results)
         print_table(results)
-        if results.get("compare"):  # issue 4
+        if results.get("compare"):
             compare.print_table(results["compare"])
         if model_spec.is_builtin:
             print("note: the built-in model has random weights, so its perplexity is near its vocabulary size (258).")
@@ -104,8 +123,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="validate")
 def main(cfg: DictConfig) -> None:
+    install_signal_handlers()
     try:
         evaluate(cfg)
+    except Preempted as err:
+        print(f"lit-ppl: {err}", file=sys.stderr)
+        requeue_if_slurm()
+        sys.exit(EXIT_PREEMPTED)
     except USER_ERRORS as err:
         print(f"lit-ppl: error: {err}", file=sys.stderr)
         sys.exit(1)

@@ -54,6 +54,7 @@ def run_entry(
 ):
     """Run ``python -m lit_ppl.validate ARGS`` in a fresh process; return (completed process, results or None)."""
     out = tmp_path / "out"
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", module, f"output_dir={out}", f"hydra.run.dir={out}", *args]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     proc = subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout)

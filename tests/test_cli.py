@@ -1,0 +1,123 @@
+"""`lit-ppl validate` (LightningCLI): the same config, the same numbers and results.json as the Hydra entry."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, STORIES, TINYSTORIES
+from omegaconf import OmegaConf
+
+from lit_ppl.cli import PerplexityCLI, main, validate
+from lit_ppl.validate import evaluate
+
+STORIES_PPL = 6.8972206  # lm-evaluation-harness 0.4.13, rolling, seq_len 512 (see test_parity.py)
+
+
+def cli_config(*args: str) -> dict:
+    return OmegaConf.to_container(PerplexityCLI(list(args)).hydra_config)
+
+
+def run_cli(args: list[str], tmp_path, cwd=None, timeout: float = 240):
+    """``python -m lit_ppl.cli validate ARGS`` in a fresh process; return (completed process, results or None)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "lit_ppl.cli", "validate", *args, "--output_dir", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=cwd or tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    results = out / "results.json"
+    return proc, (json.loads(results.read_text()) if results.is_file() else None)
+
+
+def test_flags_give_the_hydra_config(compose, tmp_path):
+    """Each CLI group is its Hydra counterpart; unset keys take the Hydra group file's defaults."""
+    cfg = cli_config(
+        "--eval.mode=sliding",
+        "--eval.seq_len=128",
+        "--quant.name=int4",
+        "--trainer.precision=bf16-mixed",
+        "--batch_size=3",
+        f"--data.cache_dir={tmp_path / 'cache'}",
+        f"--output_dir={tmp_path / 'out'}",
+    )
+    ref = OmegaConf.to_container(
+        compose("eval=sliding", "eval.seq_len=128", "quant=int4", "precision=bf16-mixed", "batch_size=3"), resolve=True
+    )
+    assert cfg.keys() == ref.keys()
+    for key in ref.keys() - {"model", "data"}:  # every group and plain key of conf/validate.yaml
+        assert cfg[key] == ref[key], key
+    assert cfg["eval"]["stride"] == 256 and cfg["quant"]["group_size"] == 128  # from conf/eval|quant/*.yaml
+    assert {k: v for k, v in cfg["model"].items() if k in ref["model"]} == ref["model"]
+    assert {k: v for k, v in cfg["data"].items() if k in ref["data"]} == ref["data"]
+
+
+def test_config_file_then_flags(tmp_path):
+    (tmp_path / "run.yaml").write_text("model:\n  path: builtin\n  seed: 3\neval:\n  seq_len: 64\nbatch_size: 2\n")
+    cfg = cli_config("--config", str(tmp_path / "run.yaml"), "--eval.seq_len", "32", "--output_dir", "x")
+    assert cfg["model"]["seed"] == 3 and cfg["eval"]["seq_len"] == 32 and cfg["batch_size"] == 2
+
+
+def test_trainer_args_pass_through_and_owned_ones_refuse():
+    cfg = cli_config("--trainer.limit_val_batches=2", "--trainer.strategy=ddp", "--trainer.devices=2", "--output_dir=x")
+    assert cfg["trainer"] == {"accelerator": "auto", "devices": 2, "num_nodes": 1, "limit_val_batches": 2}
+    assert cfg["strategy"] == {"name": "ddp"}
+    with pytest.raises(ValueError, match=re.escape("--trainer.strategy='deepspeed' is not one of auto, ddp")):
+        cli_config("--trainer.strategy=deepspeed")
+    with pytest.raises(ValueError, match=re.escape("--trainer.use_distributed_sampler is set")):
+        cli_config("--trainer.use_distributed_sampler=false")
+
+
+def test_builtin_in_process_equals_hydra(compose, tmp_path):
+    r = validate(["--eval.seq_len=64", f"--data.cache_dir={tmp_path / 'cache'}", f"--output_dir={tmp_path / 'cli'}"])
+    ref = evaluate(compose("eval.seq_len=64"))
+    saved = json.loads((tmp_path / "cli" / "results.json").read_text())
+    assert saved["ppl"] == r["ppl"] == pytest.approx(ref["ppl"], rel=1e-12, abs=0)
+    assert r["tokens"] == ref["tokens"] and r["nll_sum"] == pytest.approx(ref["nll_sum"], rel=1e-12)
+    assert saved.keys() == ref.keys()
+
+
+def test_stories_in_process_equals_hydra(compose, stories, tmp_path):
+    args = [f"--model.path={stories}", f"--data.path={TINYSTORIES}", "--eval.seq_len=512"]
+    r = validate([*args, f"--data.cache_dir={tmp_path / 'cache'}", f"--output_dir={tmp_path / 'cli'}"])
+    ref = evaluate(compose(f"model.path={stories}", f"data.path={TINYSTORIES}", "eval.seq_len=512"))
+    assert r["ppl"] == pytest.approx(STORIES_PPL, rel=2e-5)
+    assert r["ppl"] == pytest.approx(ref["ppl"], rel=1e-9, abs=0) and r["tokens"] == ref["tokens"] == 1882
+
+
+@pytest.mark.slow
+def test_example_config_subprocess_equals_hydra(compose, stories, tmp_path):
+    """The shipped example config, run from the repo root as the README says, as a separate process."""
+    proc, r = run_cli(
+        ["--config", "configs/cli/stories260k.yaml", f"--data.cache_dir={tmp_path / 'cache'}"], tmp_path, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = evaluate(compose(f"model.path={STORIES}", f"data.path={TINYSTORIES}", "eval.seq_len=512"))
+    assert r["ppl"] == pytest.approx(STORIES_PPL, rel=2e-5)
+    assert r["ppl"] == pytest.approx(ref["ppl"], rel=1e-9, abs=0)
+    assert r["config"]["model"]["path"] == "../shared/data/stories260K" and "token perplexity" in proc.stdout
+
+
+@pytest.mark.slow
+def test_builtin_subprocess_equals_hydra(compose, tmp_path):
+    proc, r = run_cli(["--eval.seq_len=64", f"--data.cache_dir={tmp_path / 'cache'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert r["ppl"] == pytest.approx(evaluate(compose("eval.seq_len=64"))["ppl"], rel=1e-12, abs=0)
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_line(tmp_path):
+    proc, r = run_cli(["--eval.seq_len=64", "--eval.mode=block", "--model.path=/nonexistent/ckpt"], tmp_path)
+    assert proc.returncode == 1 and r is None
+    assert "lit-ppl: error: model.path='/nonexistent/ckpt' does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc, r = run_cli(["--eval.mode=zigzag"], tmp_path)
+    assert proc.returncode == 2 and r is None and "eval.mode" in proc.stderr
+
+
+def test_usage_without_subcommand(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2 and "usage: lit-ppl {validate}" in capsys.readouterr().out

@@ -1,0 +1,129 @@
+"""Preemption without Slurm: a signalled or killed run resumes and ends bit-identical to an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, WIKITEXT, require_shared
+from lit_ppl.resume import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.slow
+EXACT_KEYS = ("ppl", "nll_sum", "nll_mean", "nll_stderr", "tokens", "words", "bytes", "documents", "word_ppl")
+DDP2 = ("strategy=ddp", "trainer.devices=2")
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    require_shared()
+    path = tmp_path_factory.mktemp("text") / "wiki.txt"
+    path.write_text(WIKITEXT.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
+    return path
+
+
+def _cmd(text: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "lit_ppl.validate",
+        f"output_dir={out}",
+        f"hydra.run.dir={out}",
+        f"data.path={text}",
+        "eval.seq_len=256",
+        "batch_size=4",
+        "trainer.accelerator=cpu",
+        "resume.save_every=5",
+        "resume.check_every=1",
+        *extra,
+    ]
+
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _run(text: Path, out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(_cmd(text, out, *extra), cwd=out, env=ENV, capture_output=True, text=True, timeout=300)
+    path = out / "results.json"
+    return proc, json.loads(path.read_text()) if path.is_file() else None
+
+
+def _start_and_wait(text: Path, out: Path, *extra: str, step: int = 5) -> subprocess.Popen:
+    """Start a run and return once rank 0 has saved progress at ``step`` (it is then mid-run)."""
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        _cmd(text, out, *extra), cwd=out, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not (out / "progress" / f"rank0-step{step}.pt").exists():
+        assert proc.poll() is None, "the run ended before saving progress: " + proc.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "no progress saved within 120 s"
+        time.sleep(0.05)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(text, tmp_path_factory):
+    results = {}
+    for world, extra in ((1, ()), (2, DDP2)):
+        proc, r = _run(text, tmp_path_factory.mktemp(f"full{world}"), *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[world] = r
+    assert results[2]["ppl"] == pytest.approx(results[1]["ppl"], rel=1e-6)
+    return results
+
+
+def _assert_identical(r: dict, ref: dict) -> None:
+    for key in EXACT_KEYS:
+        assert r[key] == ref[key], key  # bit-identical, not approximately equal
+
+
+@pytest.mark.parametrize("sig,world", [(signal.SIGUSR1, 1), (signal.SIGTERM, 1), (signal.SIGUSR1, 2)])
+def test_signal_saves_then_rerun_is_bit_identical(text, uninterrupted, tmp_path, sig, world):
+    extra = DDP2 if world == 2 else ()
+    out = tmp_path / "run"
+    proc = _start_and_wait(text, out, *extra)
+    proc.send_signal(sig)  # to rank 0 only: the ranks agree through an all-reduce and stop at the same step
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    stopped = int(re.search(r"stopped by a signal at step (\d+)", err).group(1))
+    assert not (out / "results.json").exists(), "results.json is never written before the run is complete"
+    for rank in range(world):
+        assert (out / "progress" / f"rank{rank}-step{stopped}.pt").exists()
+    done, r = _run(text, out, *extra)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming from step {stopped}" in done.stderr
+    _assert_identical(r, uninterrupted[world])
+    assert not list((out / "progress").glob("*.pt")), "a finished run leaves no progress behind"
+
+
+def test_crash_loses_at_most_the_work_since_the_last_save(text, uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    proc = _start_and_wait(text, out, step=10)
+    proc.kill()  # SIGKILL: no handler runs, nothing is saved at the end
+    proc.wait(timeout=30)
+    saved = max(int(re.search(r"step(\d+)", p.name).group(1)) for p in (out / "progress").glob("rank0-step*.pt"))
+    assert saved >= 10
+    done, r = _run(text, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming from step {saved}" in done.stderr
+    _assert_identical(r, uninterrupted[1])
+
+
+def test_progress_of_another_configuration_is_refused(text, tmp_path):
+    out = tmp_path / "run"
+    proc = _start_and_wait(text, out)
+    proc.send_signal(signal.SIGUSR1)
+    proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED
+    done, r = _run(text, out, "eval.seq_len=128")
+    assert done.returncode == 1 and r is None
+    assert "holds progress of a different run" in done.stderr
