@@ -15,6 +15,7 @@ CPU a probe far over budget could exhaust the host. The answer is cached in a JS
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import tempfile
@@ -44,6 +45,14 @@ def host_rss(field: str = "VmRSS") -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def release_free_host_memory() -> None:
+    """Return malloc's free memory to the OS (glibc ``malloc_trim``; a no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def default_budget(device: torch.device) -> int:
     """Bytes a batch may use: 90% of the free CUDA memory, or half of the available host memory."""
     if device.type == "cuda":
@@ -64,6 +73,7 @@ def peak_memory(run: Callable[[], Any], device: torch.device) -> int:
         run()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
+    release_free_host_memory()  # else memory freed by the last probe stays resident and hides this one's peak
     before = host_rss()
     host_peak_reset()
     run()

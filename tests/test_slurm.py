@@ -1,0 +1,71 @@
+"""The sbatch templates on a real, local two-node Slurm: same numbers as one process; preemption resumes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, STORIES, TINYSTORIES, WIKITEXT, require_shared, run_entry
+
+try:
+    from tests.slurm_cluster import slurm
+except ImportError:  # tests/ not importable as a package
+    from slurm_cluster import slurm  # noqa: F401
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+TEMPLATE = ROOT / "slurm" / "validate_cpu.sbatch"
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory) -> Path:
+    require_shared()
+    texts = [t.strip() for t in TINYSTORIES.read_text(encoding="utf-8").split("<|endoftext|>") if t.strip()]
+    path = tmp_path_factory.mktemp("docs") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def _submit_and_wait(slurm, tmp_path: Path, sbatch_args: list[str], args: list[str], timeout: float = 180) -> dict:
+    out = tmp_path / "out"
+    job = slurm.submit(TEMPLATE, [*args, f"output_dir={out}"], sbatch_args, cwd=tmp_path)
+    state = slurm.wait(job, timeout=timeout)
+    assert state == "COMPLETED", slurm.diagnostics(job)
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.parametrize("shape", [["--nodes=1", "--ntasks-per-node=2"], ["--nodes=2", "--ntasks-per-node=1"]])
+def test_templates_give_the_single_process_numbers(slurm, docs, tmp_path, shape):
+    args = [f"model.path={STORIES}", f"data.path={docs}", "eval.seq_len=64", "strategy=ddp"]
+    local, ref = run_entry([a for a in args if a != "strategy=ddp"] + ["trainer.accelerator=cpu"], tmp_path / "local")
+    assert local.returncode == 0, local.stderr[-2000:]
+    r = _submit_and_wait(slurm, tmp_path, shape, args)
+    assert r["world_size"] == 2 and r["num_nodes"] == int(shape[0].split("=")[1])
+    assert r["tokens"] == ref["tokens"]
+    assert r["ppl"] == pytest.approx(ref["ppl"], rel=1e-6)
+
+
+def test_preempted_job_requeues_and_resumes_bit_identical(slurm, tmp_path):
+    require_shared()
+    text = tmp_path / "wiki.txt"
+    text.write_text(WIKITEXT.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
+    args = [f"data.path={text}", "eval.seq_len=256", "batch_size=4", "resume.save_every=5", "resume.check_every=1"]
+    local, ref = run_entry([*args, "trainer.accelerator=cpu"], tmp_path / "local")
+    assert local.returncode == 0, local.stderr[-2000:]
+
+    out = tmp_path / "out"
+    job = slurm.submit(TEMPLATE, [*args, f"output_dir={out}"], ["--nodes=1", "--ntasks-per-node=1"], cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while not (out / "progress" / "rank0-step5.pt").exists():
+        assert time.monotonic() < deadline, slurm.diagnostics(job)
+        time.sleep(0.1)
+    slurm.cancel(job, "USR1")  # what --signal=USR1@90 sends before the time limit
+    state = slurm.wait(job, timeout=240)
+    assert state == "COMPLETED", slurm.diagnostics(job)
+    assert int(slurm.job_info(job)["Restarts"]) >= 1, "the job was not requeued"
+    log = slurm.output(job)
+    assert "stopped by a signal at step" in log and "resuming from step" in log, log[-3000:]
+    r = json.loads((out / "results.json").read_text())
+    for key in ("ppl", "nll_sum", "nll_stderr", "tokens", "bytes"):
+        assert r[key] == ref[key], key
