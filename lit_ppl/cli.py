@@ -207,7 +207,6 @@ def to_hydra_config(ns: Any) -> DictConfig:
             raise ValueError(f"--trainer.{key}={value!r}: only plain values are passed on to the Trainer")
     ev = opts["eval"]
     output_dir = opts["output_dir"] or os.environ.get(OUTPUT_DIR_ENV) or time.strftime("outputs/cli/%Y-%m-%d/%H-%M-%S")
-    os.environ[OUTPUT_DIR_ENV] = output_dir  # inherited by the ranks Lightning relaunches
     cfg = {
         "model": {"_target_": "lit_ppl.models.ModelSpec", **opts["model"]},
         "data": {"_target_": "lit_ppl.data.DataSpec", **opts["data"]},
@@ -240,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:  # a value jsonargparse's types admit but lit-ppl does not (e.g. the strategy)
         print(f"lit-ppl: error: {err}", file=sys.stderr)
         sys.exit(1)
+    os.environ[OUTPUT_DIR_ENV] = cfg.output_dir  # inherited by the ranks Lightning relaunches
     try:
         # Hydra's decorated main runs its task function directly on a config passed to it: the same signal
         # handling, resume, exit codes and one-line errors as `python -m lit_ppl.validate`.

@@ -43,6 +43,8 @@ class DataSpec:
         text_field: the column holding the text (``.jsonl``/``.parquet``/hub datasets).
         join_rows: concatenate all rows into one text before splitting (line-per-row hub datasets).
         document_separator: a regex that splits each text into documents (``None``: one text, one document).
+        encoding_errors: how ``.txt`` files that are not valid UTF-8 are read: ``strict`` (an error naming the
+            file and byte offset), ``replace`` (U+FFFD) or ``ignore``.
         cache_dir: where ``datasets`` keeps loaded and tokenized data (``None``: its default cache).
     """
 
@@ -53,6 +55,7 @@ class DataSpec:
     text_field: str = "text"
     join_rows: bool = False
     document_separator: str | None = None
+    encoding_errors: str = "strict"
     cache_dir: str | None = None
     paths: list[str] = field(init=False)
 
@@ -66,6 +69,8 @@ class DataSpec:
             raise ValueError(
                 f"data.path has files of type {sorted(suffixes)}; give files of one type among {sorted(_BUILDERS)}"
             )
+        if self.encoding_errors not in ("strict", "replace", "ignore"):
+            raise ValueError(f"data.encoding_errors={self.encoding_errors!r} is not one of strict, replace, ignore")
         if self.document_separator is not None:
             try:
                 re.compile(self.document_separator)
@@ -83,13 +88,27 @@ def _resolve(path: str) -> str:
     return str(local.resolve())
 
 
+def _check_utf8(paths: list[str]) -> None:
+    """Fail before loading with the file and byte offset of the first invalid UTF-8 sequence."""
+    for path in paths:
+        try:
+            Path(path).read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"{path} is not valid UTF-8 at byte offset {err.start} ({err.reason}); fix the file or set "
+                "data.encoding_errors=replace (or ignore)"
+            ) from None
+
+
 def load_texts(spec: DataSpec):
     """Load the raw texts as a ``datasets.Dataset`` with one column, ``text``, one row per document."""
     import datasets
 
     if spec.paths:
         builder = _BUILDERS[Path(spec.paths[0]).suffix]
-        kwargs = {"sample_by": "document"} if builder == "text" else {}
+        kwargs = {"sample_by": "document", "encoding_errors": spec.encoding_errors} if builder == "text" else {}
+        if builder == "text" and spec.encoding_errors == "strict":
+            _check_utf8(spec.paths)
         ds = datasets.load_dataset(builder, data_files=spec.paths, split="train", cache_dir=spec.cache_dir, **kwargs)
     else:
         ds = datasets.load_dataset(spec.hub_name, spec.hub_config, split=spec.split, cache_dir=spec.cache_dir)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lit_ppl.distributed import first_line
 from lit_ppl.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 BUILTIN = "builtin"
@@ -69,7 +70,19 @@ class ModelSpec:
             return ByteTokenizer.vocab_size, self.max_positions
         from transformers import AutoConfig
 
-        cfg = AutoConfig.from_pretrained(str(Path(self.path).expanduser()), **self._pretrained_kwargs)
+        try:
+            cfg = AutoConfig.from_pretrained(str(Path(self.path).expanduser()), **self._pretrained_kwargs)
+        except (OSError, ValueError, KeyError) as err:
+            raise ValueError(
+                f"model.path={self.path!r}: transformers cannot read its config: {first_line(err)}"
+            ) from err
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if cfg.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not self.trust_remote_code:
+            raise ValueError(
+                f"model.path={self.path!r} is a {cfg.model_type!r} model, not a causal LM that "
+                "AutoModelForCausalLM can load (e.g. llama, mistral, qwen2, gpt2)"
+            )
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         return cfg.vocab_size, getattr(cfg, "max_position_embeddings", None)
 
@@ -79,7 +92,13 @@ class ModelSpec:
             return ByteTokenizer()
         from transformers import AutoTokenizer
 
-        return HFTokenizer(AutoTokenizer.from_pretrained(str(Path(self.path).expanduser()), **self._pretrained_kwargs))
+        try:
+            tok = AutoTokenizer.from_pretrained(str(Path(self.path).expanduser()), **self._pretrained_kwargs)
+        except (OSError, ValueError, KeyError) as err:
+            raise ValueError(
+                f"model.path={self.path!r} has no tokenizer transformers can load: {first_line(err)}"
+            ) from err
+        return HFTokenizer(tok)
 
     def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         """Instantiate the model in ``dtype`` on the current default device, in eval mode."""
@@ -111,9 +130,14 @@ class ModelSpec:
                     torch.set_default_dtype(default_dtype)
             model = model.to(dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(Path(self.path).expanduser()), dtype=dtype, **self._pretrained_kwargs
-            )
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(Path(self.path).expanduser()), dtype=dtype, **self._pretrained_kwargs
+                )
+            except (OSError, ValueError, KeyError) as err:
+                raise ValueError(
+                    f"model.path={self.path!r} is not a causal LM transformers can load: {first_line(err)}"
+                ) from err
         return model.eval().requires_grad_(False)
 
 

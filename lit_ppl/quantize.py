@@ -338,6 +338,12 @@ def quantize_model(lm: nn.Module, cfg: dict[str, Any]) -> QuantReport:
     report = QuantReport(name=cfg.get("name", "none"), source=source)
     report.weight_bytes_before = sum(tensor_bytes(p) for _, p in lm.named_parameters())
     todo, report.modules = plan(lm, rules_from_cfg(cfg), cfg.get("backend", "auto"))
+    if not todo and report.skipped:
+        first = next(iter(report.skipped.values()))
+        raise ValueError(
+            f"quant={report.name} would quantize none of the {len(report.skipped)} layers it names ({first}); "
+            f"choose quant.group_size among {GROUP_SIZES} that divides the layers' in_features"
+        )
     modules = dict(lm.named_modules())
     before = {n: tensor_bytes(modules[n].weight) for n in report.modules}
     twins = {n: e["tied_to"] for n, e in report.modules.items() if "tied_to" in e}

@@ -18,13 +18,16 @@ Several nodes (torchrun on each node, or srun: see slurm/)::
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning as L
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
 from lit_ppl import compare, quantize, strategies
@@ -35,7 +38,15 @@ from lit_ppl.results import build_results, print_table, write_json_atomic
 from lit_ppl.resume import EXIT_PREEMPTED, Preempted, ResumeCallback, install_signal_handlers, requeue_if_slurm
 
 # Errors that mean "the input was wrong" or "a peer failed": reported as one line, without a traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, FloatingPointError, RankFailure)
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    PermissionError,
+    FloatingPointError,
+    RankFailure,
+    MisconfigurationException,  # Lightning's word for a bad precision, accelerator or device count
+)
 
 
 def conf_dir() -> str:
@@ -51,20 +62,60 @@ def conf_dir() -> str:
 VOLATILE_KEYS = ("output_dir", "distributed", "resume")
 
 
+def build(node: DictConfig) -> Any:
+    """``instantiate``, but a bad value reported by the class itself surfaces as its own one-line error."""
+    try:
+        return instantiate(node)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, USER_ERRORS):
+            raise err.__cause__ from None
+        raise
+
+
+def check_targets(cfg: DictConfig) -> None:
+    """Only lit-ppl's own classes are instantiated from config, unless ``allow_any_target=true``.
+
+    A ``_target_`` is an import and a call: from an untrusted override it would run arbitrary code.
+    """
+    if cfg.get("allow_any_target", False):
+        return
+    for group in ("model", "data"):
+        target = OmegaConf.select(cfg, f"{group}._target_")
+        if target is not None and not str(target).startswith("lit_ppl."):
+            raise ValueError(
+                f"{group}._target_={target!r} is not a lit_ppl class; set allow_any_target=true to instantiate it"
+            )
+
+
+def check_output_dir(path: str) -> Path:
+    """Fail before hours of evaluation, not after, if results cannot be written."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise ValueError(f"output_dir={path!r} is not writable: {err.strerror or err}") from err
+    return out
+
+
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Run one evaluation described by ``cfg``; return ``results.json``'s content (on every rank)."""
+    check_targets(cfg)
+    check_output_dir(cfg.output_dir)
     L.seed_everything(cfg.seed, verbose=False)
-    model_spec = instantiate(cfg.model)
+    model_spec = build(cfg.model)
+    limits = model_spec.limits()  # reads the checkpoint's config: fails fast on a path that is not a causal LM
     devices, num_nodes = int(cfg.trainer.devices), int(cfg.trainer.num_nodes)
     strategy, shard = strategies.build(cfg.strategy.name, cfg.distributed.timeout_s, devices, num_nodes)
     datamodule = PerplexityDataModule(
-        instantiate(cfg.data),
+        build(cfg.data),
         model_spec.tokenizer(),
         mode=cfg.eval.mode,
         seq_len=cfg.eval.seq_len,
         stride=cfg.eval.stride,
         batch_size=cfg.batch_size,
-        limits=model_spec.limits(),
+        limits=limits,
     )
     module = compare.build_module(
         OmegaConf.to_container(cfg.compare, resolve=True),

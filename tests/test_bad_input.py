@@ -1,0 +1,191 @@
+"""Bad input: a clear one-line error naming the bad value and what would be valid — never a wrong number."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import STORIES, TINYSTORIES, require_shared, run_entry
+from lit_ppl.results import write_json_atomic
+from lit_ppl.validate import evaluate
+
+
+def _checkpoint(tmp_path: Path, name: str, edit) -> Path:  # noqa: ANN001 - edit(model) mutates it
+    """A copy of stories260K with ``edit`` applied to the model (its tokenizer unchanged)."""
+    require_shared()
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path / name
+    model = (
+        edit(AutoModelForCausalLM.from_pretrained(STORIES))
+        if edit
+        else LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=100,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+            )
+        )
+    )
+    model.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(STORIES / f, out / f)
+    return out
+
+
+def _nan_norm(model):  # noqa: ANN001, ANN202
+    with torch.no_grad():
+        model.model.norm.weight[3] = float("nan")
+    return model
+
+
+def _bytes(tmp_path: Path, name: str, data: bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+EMPTY_DOC_JSONL = b'{"text": "hi"}\n{"text": ""}\n'
+
+# (id, overrides built from tmp_path, error type, message that must appear)
+CASES = [
+    (
+        "missing model path",
+        lambda t: ["model.path=/no/such/ckpt"],
+        FileNotFoundError,
+        "model.path='/no/such/ckpt' does not exist; give a Hugging Face checkpoint directory",
+    ),
+    ("dir without config", lambda t: [f"model.path={t}"], ValueError, "is a directory without config.json"),
+    ("not a causal LM", lambda t: [f"model.path={_vision(t)}"], ValueError, "is a 'vit' model, not a causal LM"),
+    (
+        "vocab mismatch",
+        lambda t: [f"model.path={_checkpoint(t, 'v100', None)}", f"data.path={TINYSTORIES}"],
+        ValueError,
+        "out of the model's vocabulary of 100: the tokenizer does not match the model",
+    ),
+    (
+        "missing data file",
+        lambda t: ["data.path=/no/such.txt"],
+        FileNotFoundError,
+        "data.path='/no/such.txt' is not a file",
+    ),
+    ("unknown data type", lambda t: [f"data.path={_bytes(t, 'x.csv', b'a')}"], ValueError, "give files of one type"),
+    ("empty file", lambda t: [f"data.path={_bytes(t, 'empty.txt', b'')}"], ValueError, "documents have no tokens"),
+    (
+        "empty document",
+        lambda t: ["data.path=" + str(_bytes(t, "d.jsonl", EMPTY_DOC_JSONL))],
+        ValueError,
+        "1 of 2 documents have no tokens (first: document 1)",
+    ),
+    (
+        "invalid utf-8",
+        lambda t: ["data.path=" + str(_bytes(t, "bad.txt", b"abc\xffdef"))],
+        ValueError,
+        "is not valid UTF-8 at byte offset 3",
+    ),
+    (
+        "seq_len too long",
+        lambda t: ["eval.seq_len=4096"],
+        ValueError,
+        "eval.seq_len=4096 exceeds the model's maximum of 2048 positions",
+    ),
+    (
+        "stride zero",
+        lambda t: ["eval=sliding", "eval.stride=0"],
+        ValueError,
+        "eval.stride=0 must be in [1, seq_len - 1",
+    ),
+    ("stride too long", lambda t: ["eval=sliding", "eval.stride=600"], ValueError, "eval.stride=600 must be in"),
+    (
+        "bad mode",
+        lambda t: ["eval.mode=zigzag"],
+        ValueError,
+        "eval.mode='zigzag' is not one of rolling, sliding, block",
+    ),
+    ("bad strategy for world", lambda t: ["trainer.devices=2"], ValueError, "strategy=auto runs one process"),
+    (
+        "group size fits no layer",
+        lambda t: [f"model.path={STORIES}", "quant=int4", "quant.group_size=256"],
+        ValueError,
+        "would quantize none of the 35 layers",
+    ),
+    ("bad precision", lambda t: ["precision=fp8"], Exception, "Precision 'fp8' is invalid"),
+    ("no gpu", lambda t: ["trainer.accelerator=gpu"], Exception, "No supported gpu backend found"),
+    ("output_dir not writable", lambda t: [f"output_dir={_bytes(t, 'file', b'x')}/sub"], ValueError, "is not writable"),
+    (
+        "foreign _target_",
+        lambda t: ["model._target_=os.system"],
+        ValueError,
+        "model._target_='os.system' is not a lit_ppl class",
+    ),
+    (
+        "nan loss",
+        lambda t: [f"model.path={_checkpoint(t, 'nan', _nan_norm)}", f"data.path={TINYSTORIES}"],
+        FloatingPointError,
+        "tokens had a NaN/inf loss (first at batch {0: 0} by rank)",
+    ),
+]
+
+
+def _vision(tmp_path: Path) -> Path:
+    from transformers import ViTConfig, ViTModel
+
+    out = tmp_path / "vit"
+    ViTModel(
+        ViTConfig(
+            hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, image_size=8, patch_size=4
+        )
+    ).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_message(case, compose, tmp_path):
+    _, overrides, error, message = case
+    args = overrides(tmp_path)
+    with pytest.raises(error) as info:
+        evaluate(compose(*args))
+    text = str(info.value)
+    assert message in text
+    assert "\n" not in text.strip() or error is Exception, "one line"
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["data.path=/no/such.txt"], "lit-ppl: error: data.path='/no/such.txt' is not a file"),
+        (["eval.seq_len=4096"], "lit-ppl: error: eval.seq_len=4096 exceeds the model's maximum of 2048"),
+        (["strategy=nope"], "Could not find 'strategy/nope'"),  # Hydra lists the valid options after this line
+        (["eval.bogus=1"], "Key 'bogus' is not in struct"),
+    ],
+)
+def test_entry_exits_nonzero_with_the_message(tmp_path, args, message):
+    proc, results = run_entry(args, tmp_path)
+    assert proc.returncode != 0 and results is None
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_failed_write_keeps_the_previous_results(tmp_path):
+    path = write_json_atomic(tmp_path / "results.json", {"ppl": 1.5})
+    with pytest.raises(ValueError, match="Out of range float values"):
+        write_json_atomic(path, {"ppl": 2.0, "bad": float("nan")})  # fails half-way through the dump
+    assert json.loads(path.read_text()) == {"ppl": 1.5}
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"], "no temp file left behind"
+
+
+def test_same_command_twice_is_bit_identical(compose, tmp_path):
+    require_shared()
+    args = (f"model.path={STORIES}", f"data.path={TINYSTORIES}", "eval.seq_len=128")
+    a, b = evaluate(compose(*args)), evaluate(compose(*args))
+    for key in ("ppl", "nll_sum", "nll_stderr", "word_ppl", "byte_ppl", "tokens"):
+        assert a[key] == b[key], key
