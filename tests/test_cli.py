@@ -121,3 +121,18 @@ def test_usage_without_subcommand(capsys):
     with pytest.raises(SystemExit) as exc:
         main([])
     assert exc.value.code == 2 and "usage: lit-ppl {validate}" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_ddp_ranks_relaunched_by_lightning_agree_on_the_default_output_dir(compose, tmp_path):
+    """Lightning re-runs the command line for rank 1; without --output_dir both ranks must pick the same dir."""
+    cmd = [sys.executable, "-m", "lit_ppl.cli", "validate", "--eval.seq_len=64", f"--data.cache_dir={tmp_path / 'c'}"]
+    cmd += ["--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.accelerator=cpu"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("LIT_PPL_OUTPUT_DIR", None)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = list((tmp_path / "outputs" / "cli").glob("*/*"))
+    assert len(runs) == 1, runs
+    r = json.loads((runs[0] / "results.json").read_text())
+    assert r["world_size"] == 2 and r["ppl"] == pytest.approx(evaluate(compose("eval.seq_len=64"))["ppl"], rel=1e-6)

@@ -1,0 +1,102 @@
+"""Target 5 — start-up: process start → first batch, cold and warm tokenization cache.
+
+Runs ``python -m lit_ppl.validate`` twice in fresh processes with a fresh ``data.cache_dir``: the first run
+tokenizes the text, the second must not (``datasets`` reuses the cached ``map`` under lit-ppl's fingerprint
+of documents + tokenizer; the check is that no ``tokenizing`` progress appears in its output). A small
+wrapper (``--child``) timestamps the stages inside the process: imports done, model built, first batch.
+
+    python benchmarks/startup.py              # ~1 minute on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT, STORIES, WIKITEXT, cut_text, require_shared, table
+
+
+def child(marks_path: str, overrides: list[str]) -> None:
+    t0 = float(os.environ["LIT_PPL_BENCH_T0"])
+    marks: dict[str, float] = {}
+    import lit_ppl.data as data
+    import lit_ppl.module as module
+    import lit_ppl.validate as validate
+
+    marks["imports done"] = time.time() - t0
+    step, configure = module.PerplexityModule.validation_step, module.PerplexityModule.configure_model
+
+    def first_step(self, batch, batch_idx):
+        marks.setdefault("first batch", time.time() - t0)
+        return step(self, batch, batch_idx)
+
+    def timed_configure(self):
+        configure(self)
+        marks.setdefault("model built", time.time() - t0)
+
+    tokenize = data.tokenize
+
+    def timed_tokenize(*a, **k):
+        t = time.time()
+        out = tokenize(*a, **k)
+        marks["tokenize calls s"] = marks.get("tokenize calls s", 0.0) + time.time() - t
+        return out
+
+    module.PerplexityModule.validation_step = first_step
+    module.PerplexityModule.configure_model = timed_configure
+    data.tokenize = timed_tokenize
+    sys.argv = ["lit_ppl.validate", *overrides]
+    try:
+        validate.main()
+    except SystemExit as e:
+        if e.code:
+            raise
+    marks["result"] = time.time() - t0
+    Path(marks_path).write_text(json.dumps(marks))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=STORIES)
+    p.add_argument("--text-bytes", type=int, default=0, help="cut the text (0: whole)")
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "lit_ppl_bench" / "startup")
+    p.add_argument("--child", nargs="*", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child is not None:
+        child(args.child[0], args.child[1:])
+        return
+    require_shared()
+    text = cut_text(WIKITEXT, args.text_bytes or None, args.work / "text.txt")
+    shutil.rmtree(args.work / "cache", ignore_errors=True)
+    overrides = [f"model.path={args.model}", "data=text", f"data.path={text}", f"data.cache_dir={args.work / 'cache'}",
+                 "trainer=cpu", f"output_dir={args.work / 'out'}", f"hydra.run.dir={args.work / 'out'}"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    rows = []
+    for name in ("cold cache", "warm cache"):
+        marks = args.work / "marks.json"
+        env["LIT_PPL_BENCH_T0"] = repr(time.time())
+        cmd = [sys.executable, __file__, "--child", str(marks), *overrides]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"{name} run failed:\n{proc.stderr[-3000:]}")
+        m = json.loads(marks.read_text())
+        rows.append({"run": name, **{k: round(v, 2) for k, v in m.items()}, "tokenized": "tokenizing" in proc.stderr})
+    print(f"{args.model.name} · {text.stat().st_size:,} bytes · seconds from process start")
+    cols = ["run", "imports done", "tokenize calls s", "model built", "first batch", "result", "tokenized"]
+    print(table(rows, cols))
+    saving = rows[0]["first batch"] - rows[1]["first batch"]
+    print(f"\nfirst batch after {rows[0]['first batch']:.2f} s cold, {rows[1]['first batch']:.2f} s warm: "
+          f"the tokenization cache saves {saving:.2f} s; second run tokenized again: {rows[1]['tokenized']}")
+    if rows[1]["tokenized"]:
+        sys.exit("the second run tokenized again: the tokenization cache did not work")
+
+
+if __name__ == "__main__":
+    main()
