@@ -185,18 +185,20 @@ class WindowCollator:
 
     The batch holds ``input_ids`` ``(b, t)`` (right-padded: a causal model's real positions never see the
     padding), the flat indices into ``(b·t)`` of the scored positions and their target ids, and the
-    documents / words / bytes that the batch's windows start. Shapes are known without a device sync.
+    documents / words / bytes that the batch's windows start, and each scored token's document. Shapes are
+    known without a device sync.
     """
 
     def __init__(self, corpus: Corpus, windows: Windows, pad_id: int = 0) -> None:
         self.corpus, self.windows, self.pad_id = corpus, windows, pad_id
+        self.offsets = doc_offsets(corpus.doc_lengths)
 
     def __call__(self, ids: list[int]) -> dict[str, Any]:
         real = [i for i in ids if i != PAD]
         w, tokens = self.windows, self.corpus.tokens
         width = max([int(w.end[i] - w.start[i]) for i in real], default=1)
         input_ids = np.full((len(ids), width), self.pad_id, dtype=np.int64)
-        index, targets = [], []
+        index, targets, docs = [], [], []
         for row, i in enumerate(ids):
             if i == PAD:
                 continue
@@ -206,11 +208,13 @@ class WindowCollator:
             keep = (target_pos >= w.score_from[i]) & self.corpus.scorable[target_pos]
             index.append(row * width + np.flatnonzero(keep))
             targets.append(tokens[target_pos[keep]])
+            docs.append(np.searchsorted(self.offsets, target_pos[keep], side="right") - 1)
         cat = lambda parts: torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))  # noqa: E731
         return {
             "input_ids": torch.from_numpy(input_ids),
             "score_index": cat(index),
             "targets": cat(targets),
+            "doc_ids": cat(docs),  # the document each scored token belongs to (for the per-document table)
             "documents": torch.tensor(int(w.documents[real].sum())),
             "words": torch.tensor(int(w.words[real].sum())),
             "bytes": torch.tensor(int(w.bytes[real].sum())),

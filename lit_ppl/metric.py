@@ -156,3 +156,41 @@ class Perplexity(Metric):
         # Synced like the rest, so every rank sees the same count and can stop together.
         out["nonfinite"] = self.nonfinite.clone()
         return out
+
+
+class NLLBreakdown(Metric):
+    """Where the loss goes: NLL sums per document and per position in the window (float64, summed over ranks).
+
+    Per position it keeps Σ nll, Σ nll² and the count, so a plot can show the mean NLL by context length with
+    its standard error; per document Σ nll and the token count, for the per-document table.
+
+    Examples:
+        >>> import torch
+        >>> b = NLLBreakdown(num_documents=2, num_positions=4)
+        >>> b.update(torch.tensor([1.0, 2.0, 3.0]), doc_ids=torch.tensor([0, 0, 1]), positions=torch.tensor([0, 1, 1]))
+        >>> b.compute()["doc_nll_sum"].tolist(), b.compute()["pos_count"].tolist()
+        ([3.0, 3.0], [1.0, 2.0, 0.0, 0.0])
+    """
+
+    is_differentiable = False
+    full_state_update = False
+
+    def __init__(self, num_documents: int, num_positions: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        for name, size in (("doc_nll_sum", num_documents), ("doc_tokens", num_documents)):
+            self.add_state(name, default=torch.zeros(size, dtype=torch.float64), dist_reduce_fx="sum")
+        for name in ("pos_sum", "pos_sum_sq", "pos_count"):
+            self.add_state(name, default=torch.zeros(num_positions, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, nll: Tensor, doc_ids: Tensor, positions: Tensor) -> None:
+        """Add the per-token ``nll`` of tokens in documents ``doc_ids`` at window ``positions``."""
+        nll = torch.nan_to_num(nll.detach().to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0)
+        ones = torch.ones_like(nll)
+        self.doc_nll_sum.index_add_(0, doc_ids, nll)
+        self.doc_tokens.index_add_(0, doc_ids, ones)
+        self.pos_sum.index_add_(0, positions, nll)
+        self.pos_sum_sq.index_add_(0, positions, nll * nll)
+        self.pos_count.index_add_(0, positions, ones)
+
+    def compute(self) -> dict[str, Tensor]:
+        return {name: getattr(self, name).clone() for name in self._defaults}

@@ -8,15 +8,22 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
+from torchmetrics import Metric
 
 from lit_ppl.distributed import check_peers, control_group
-from lit_ppl.metric import Perplexity
+from lit_ppl.metric import NLLBreakdown, Perplexity
 from lit_ppl.models import ModelSpec, decoder_and_head, head_fn
 from lit_ppl.nll import chunked_nll
 
 # Weights are loaded directly in the dtype a "*-true" precision computes in (a 70B checkpoint must not
 # pass through float32 first); mixed precisions keep float32 weights and autocast.
 LOAD_DTYPE = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+
+
+def _to_host(value: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    return [v.detach().cpu().clone() for v in value]
 
 
 class TokenScorer(nn.Module):
@@ -67,6 +74,8 @@ class PerplexityModule(L.LightningModule):
         self.quant_report: Any = None
         self.scorer: TokenScorer | None = None
         self.metric = Perplexity()
+        self.breakdown: NLLBreakdown | None = None  # sized in setup(), once the corpus is known
+        self.per_document: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, nll sum) per document
         self.result: dict[str, Any] = {}
         self.tokens_seen = 0  # host-side count for tokens/s: from shapes, no device sync
         self.steps = 0
@@ -84,9 +93,19 @@ class PerplexityModule(L.LightningModule):
         if self.shard is not None:
             self.shard(self.scorer, self)
 
+    def setup(self, stage: str) -> None:
+        dm = self.trainer.datamodule
+        if self.breakdown is None and dm is not None and getattr(dm, "corpus", None) is not None:
+            self.breakdown = NLLBreakdown(len(dm.corpus.doc_lengths), dm.seq_len)
+
+    def metrics(self) -> dict[str, Metric]:
+        """Every torchmetrics state of the module: what syncs across ranks and what a resume restores."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, Metric)}
+
     def on_validation_start(self) -> None:
         # Precision plugins cast the whole module, metric states included; restore float64.
-        self.metric.set_dtype(torch.float64)
+        for metric in self.metrics().values():
+            metric.set_dtype(torch.float64)
         self._control = control_group()
         self._first_bad_step = torch.tensor(-1, device=self.device)
         self._t0 = time.perf_counter()
@@ -94,6 +113,8 @@ class PerplexityModule(L.LightningModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         nll = self.scorer(batch["input_ids"], batch["score_index"], batch["targets"])
         self.metric.update(nll, batch["words"], batch["bytes"], batch["documents"])
+        if self.breakdown is not None:
+            self.breakdown.update(nll, batch["doc_ids"], batch["score_index"] % batch["input_ids"].shape[1])
         # Remember the first step with a non-finite loss without a host sync in the loop.
         bad = ~torch.isfinite(nll).all()
         self._first_bad_step = torch.where(bad & (self._first_bad_step < 0), batch_idx, self._first_bad_step)
@@ -103,7 +124,10 @@ class PerplexityModule(L.LightningModule):
     def progress_state(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue bit-identically (host copies; called between steps)."""
         return {
-            "metric": {name: getattr(self.metric, name).detach().cpu().clone() for name in self.metric._defaults},
+            "metrics": {
+                name: {k: _to_host(v) for k, v in metric.metric_state.items()}
+                for name, metric in self.metrics().items()
+            },
             "tokens_seen": self.tokens_seen,
             "steps": self.steps,
             "first_bad_step": int(self._first_bad_step),
@@ -111,9 +135,14 @@ class PerplexityModule(L.LightningModule):
 
     def load_progress_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`progress_state` (after the precision plugin and ``set_dtype`` have run)."""
-        for name, value in state["metric"].items():
-            current = getattr(self.metric, name)
-            setattr(self.metric, name, value.to(device=current.device, dtype=current.dtype))
+        metrics = self.metrics()
+        for name, states in state["metrics"].items():
+            for key, value in states.items():
+                current = getattr(metrics[name], key)
+                if isinstance(current, torch.Tensor):
+                    setattr(metrics[name], key, value.to(device=current.device, dtype=current.dtype))
+                else:  # list states ("cat" reductions): per-token values kept for exact percentiles
+                    setattr(metrics[name], key, [v.to(self.device) for v in value])
         self.tokens_seen, self.steps = state["tokens_seen"], state["steps"]
         self._first_bad_step = torch.tensor(state["first_bad_step"], device=self.device)
 
@@ -141,4 +170,12 @@ class PerplexityModule(L.LightningModule):
         }
         for k in ("tokens", "words", "bytes", "documents"):
             self.result[k] = round(self.result[k])
+        if self.breakdown is not None:
+            parts = {k: v.cpu() for k, v in self.breakdown.compute().items()}  # synced like the metric
+            self.result["nll_by_position"] = {
+                "sum": parts["pos_sum"].tolist(),
+                "sum_sq": parts["pos_sum_sq"].tolist(),
+                "count": parts["pos_count"].tolist(),
+            }
+            self.per_document = (parts["doc_tokens"], parts["doc_nll_sum"])
         self.log_dict({"ppl": stats["ppl"].float(), "nll_mean": stats["nll_mean"].float()}, sync_dist=False)

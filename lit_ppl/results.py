@@ -69,9 +69,37 @@ def build_results(stats: dict[str, Any], run: dict[str, Any], config: dict[str, 
         "sync_seconds": stats["sync_seconds"],
         "rank_tokens": stats["rank_tokens"],
         "rank_steps": stats["rank_steps"],
+        "nll_by_position": stats.get("nll_by_position"),
         "config": config,
         "versions": library_versions(),
     }
+
+
+def write_per_document(path: Path, tokens: Any, nll_sum: Any) -> Path:
+    """The per-document table (id, tokens, NLL sum, mean NLL, PPL) as CSV or Parquet, by ``path``'s suffix."""
+    import pyarrow as pa
+
+    n = tokens.double().clamp_min(1)
+    table = pa.table(
+        {
+            "id": list(range(len(tokens))),
+            "tokens": tokens.long().tolist(),
+            "nll_sum": nll_sum.tolist(),
+            "nll_mean": (nll_sum / n).tolist(),
+            "ppl": (nll_sum / n).exp().tolist(),
+        }
+    )
+    tmp = path.with_name(f".{path.name}.tmp")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, tmp)
+    else:
+        import pyarrow.csv as pcsv
+
+        pcsv.write_csv(table, tmp)
+    os.replace(tmp, path)
+    return path
 
 
 def print_table(results: dict[str, Any]) -> None:

@@ -25,7 +25,9 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
@@ -34,7 +36,7 @@ from lit_ppl import compare, quantize, strategies
 from lit_ppl.data import PerplexityDataModule
 from lit_ppl.distributed import RankFailure, first_line, rank
 from lit_ppl.progress import TokensPerSecondBar
-from lit_ppl.results import build_results, print_table, write_json_atomic
+from lit_ppl.results import build_results, print_table, write_json_atomic, write_per_document
 from lit_ppl.resume import EXIT_PREEMPTED, Preempted, ResumeCallback, install_signal_handlers, requeue_if_slurm
 
 # Errors that mean "the input was wrong" or "a peer failed": reported as one line, without a traceback.
@@ -127,6 +129,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     )
     config = OmegaConf.to_container(cfg, resolve=True)
     callbacks: list[L.Callback] = [TokensPerSecondBar()]
+    if cfg.report.per_document not in (None, "csv", "parquet"):
+        raise ValueError(f"report.per_document={cfg.report.per_document!r} is not one of null, csv, parquet")
     if cfg.resume.enabled:
         stable = {k: v for k, v in config.items() if k not in VOLATILE_KEYS}
         stable["data"] = {k: v for k, v in stable["data"].items() if k != "cache_dir"}
@@ -163,6 +167,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     results.update(compare.extra_results(module))  # "quant", and "reference_quant"/"compare" when comparing
     if trainer.is_global_zero:
         path = write_json_atomic(Path(cfg.output_dir) / "results.json", results)
+        if cfg.report.per_document and module.per_document is not None:
+            table = Path(cfg.output_dir) / f"per_document.{cfg.report.per_document}"
+            print(f"per-document table: {write_per_document(table, *module.per_document)}")
+        if cfg.report.plots and results.get("nll_by_position"):
+            from lit_ppl.plots import plot_nll_by_position
+
+            plot_nll_by_position(results["nll_by_position"], Path(cfg.output_dir) / "nll_by_position.png")
         print_table(results)
         if results.get("compare"):
             compare.print_table(results["compare"])
@@ -172,25 +183,27 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     return results
 
 
+def _fail(message: str, code: int) -> None:
+    print(message, file=sys.stderr)
+    # In a -m sweep, sys.exit would end the whole sweep: fail this job only (the summary marks it).
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise RuntimeError(message)
+    sys.exit(code)
+
+
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="validate")
 def main(cfg: DictConfig) -> None:
     install_signal_handlers()
     try:
         evaluate(cfg)
     except Preempted as err:
-        print(f"lit-ppl: {err}", file=sys.stderr)
         requeue_if_slurm()
-        sys.exit(EXIT_PREEMPTED)
+        _fail(f"lit-ppl: {err}", EXIT_PREEMPTED)
     except USER_ERRORS as err:
-        print(f"lit-ppl: error: {err}", file=sys.stderr)
-        sys.exit(1)
+        _fail(f"lit-ppl: error: {err}", 1)
     except torch.distributed.DistError as err:
         # A collective failed because a peer went away: one line per surviving rank, not a page of C++.
-        print(
-            f"lit-ppl: error: rank {rank()}: a collective failed, another rank probably died: {first_line(err)}",
-            file=sys.stderr,
-        )
-        sys.exit(1)
+        _fail(f"lit-ppl: error: rank {rank()}: a collective failed, another rank probably died: {first_line(err)}", 1)
 
 
 if __name__ == "__main__":

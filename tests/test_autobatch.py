@@ -61,6 +61,4 @@ def test_cpu_budget_forces_a_small_batch_and_is_cached(scorer, tmp_path):
 
 def test_budget_below_one_window_is_a_clear_error(scorer, tmp_path):
     with pytest.raises(ValueError, match="does not fit"):
-        auto_batch_size(
-            scorer, SEQ, model="m", precision="32-true", chunk_size=4096, max_memory_gb=0.001, cache=None
-        )
+        auto_batch_size(scorer, SEQ, model="m", precision="32-true", chunk_size=4096, max_memory_gb=0.001, cache=None)

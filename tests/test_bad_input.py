@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import STORIES, TINYSTORIES, require_shared, run_entry
+
 from lit_ppl.results import write_json_atomic
 from lit_ppl.validate import evaluate
 
 
-def _checkpoint(tmp_path: Path, name: str, edit) -> Path:  # noqa: ANN001 - edit(model) mutates it
+def _checkpoint(tmp_path: Path, name: str, edit) -> Path:
     """A copy of stories260K with ``edit`` applied to the model (its tokenizer unchanged)."""
     require_shared()
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -40,7 +40,7 @@ def _checkpoint(tmp_path: Path, name: str, edit) -> Path:  # noqa: ANN001 - edit
     return out
 
 
-def _nan_norm(model):  # noqa: ANN001, ANN202
+def _nan_norm(model):
     with torch.no_grad():
         model.model.norm.weight[3] = float("nan")
     return model

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, STORIES, TINYSTORIES, WIKITEXT, require_shared, run_entry
+
 from lit_ppl.validate import evaluate
 
 pytestmark = pytest.mark.slow

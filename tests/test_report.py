@@ -201,7 +201,7 @@ def test_plots_are_pngs(run_dirs, tmp_path):
 
 def test_cli_agreeing_runs(run_dirs, tmp_path):
     with_positions = doctored(run_dirs["b3"], tmp_path / "runs" / "b3", nll_by_position=synthetic_positions())
-    first = doctored(run_dirs["b1"], tmp_path / "runs" / "b1")
+    first = doctored(run_dirs["b1"], tmp_path / "runs" / "b1", nll_by_position=None)
     proc = run_report(
         first, with_positions, "--markdown", tmp_path / "r.md", "--csv", tmp_path / "r.csv", "--plots", cwd=tmp_path
     )
@@ -212,7 +212,7 @@ def test_cli_agreeing_runs(run_dirs, tmp_path):
     assert len((tmp_path / "r.csv").read_text().splitlines()) == 3
     for png in (with_positions / "nll_by_position.png", tmp_path / "runs" / "sweep.png"):
         assert png.read_bytes().startswith(PNG_MAGIC), png
-    assert not (first / "nll_by_position.png").exists()  # that run has no per-position statistics
+    assert not (first / "nll_by_position.png").exists()  # that copy has no per-position statistics
 
 
 def test_cli_mismatch_exits_1(run_dirs, tmp_path):

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, WIKITEXT, require_shared
+
 from lit_ppl.resume import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
