@@ -1,9 +1,10 @@
 """Target 5 — start-up: process start → first batch, cold and warm tokenization cache.
 
-Runs ``python -m lit_ppl.validate`` twice in fresh processes with a fresh ``data.cache_dir``: the first run
+Runs ``python -m lit_ppl.validate`` (the whole text by default) twice in fresh processes with a fresh ``data.cache_dir``: the first run
 tokenizes the text, the second must not (``datasets`` reuses the cached ``map`` under lit-ppl's fingerprint
 of documents + tokenizer; the check is that no ``tokenizing`` progress appears in its output). A small
-wrapper (``--child``) timestamps the stages inside the process: imports done, model built, first batch.
+wrapper (``--child``) timestamps the stages inside the process: imports done, model built, first batch
+(scored); it then stops the process, unless ``--full`` asks for the whole run (the ``result`` column).
 
     python benchmarks/startup.py              # ~1 minute on 2 cores
 """
@@ -34,8 +35,13 @@ def child(marks_path: str, overrides: list[str]) -> None:
     step, configure = module.PerplexityModule.validation_step, module.PerplexityModule.configure_model
 
     def first_step(self, batch, batch_idx):
-        marks.setdefault("first batch", time.time() - t0)
-        return step(self, batch, batch_idx)
+        out = step(self, batch, batch_idx)
+        if "first batch" not in marks:
+            marks["first batch"] = time.time() - t0
+            if not os.environ.get("LIT_PPL_BENCH_FULL"):
+                Path(marks_path).write_text(json.dumps(marks))
+                os._exit(0)  # start-up is measured: skip the rest of the text
+        return out
 
     def timed_configure(self):
         configure(self)
@@ -67,6 +73,7 @@ def main() -> None:
     p.add_argument("--model", type=Path, default=STORIES)
     p.add_argument("--text-bytes", type=int, default=0, help="cut the text (0: whole)")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "lit_ppl_bench" / "startup")
+    p.add_argument("--full", action="store_true", help="run to the result, not just the first batch")
     p.add_argument("--child", nargs="*", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
@@ -78,6 +85,8 @@ def main() -> None:
     overrides = [f"model.path={args.model}", "data=text", f"data.path={text}", f"data.cache_dir={args.work / 'cache'}",
                  "trainer=cpu", f"output_dir={args.work / 'out'}", f"hydra.run.dir={args.work / 'out'}"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    if args.full:
+        env["LIT_PPL_BENCH_FULL"] = "1"
     rows = []
     for name in ("cold cache", "warm cache"):
         marks = args.work / "marks.json"
@@ -89,7 +98,8 @@ def main() -> None:
         m = json.loads(marks.read_text())
         rows.append({"run": name, **{k: round(v, 2) for k, v in m.items()}, "tokenized": "tokenizing" in proc.stderr})
     print(f"{args.model.name} · {text.stat().st_size:,} bytes · seconds from process start")
-    cols = ["run", "imports done", "tokenize calls s", "model built", "first batch", "result", "tokenized"]
+    cols = ["run", "imports done", "tokenize calls s", "model built", "first batch", "tokenized"]
+    cols += ["result"] if args.full else []
     print(table(rows, cols))
     saving = rows[0]["first batch"] - rows[1]["first batch"]
     print(f"\nfirst batch after {rows[0]['first batch']:.2f} s cold, {rows[1]['first batch']:.2f} s warm: "

@@ -261,11 +261,7 @@ class CompareModule(PerplexityModule):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, enabled=False)
 
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self.kl.set_dtype(torch.float64)
-
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+    def score(self, batch: dict[str, Any]) -> Tensor:
         ids, index, targets = batch["input_ids"], batch["score_index"], batch["targets"]
         hidden = self.scorer(ids, index)
         with self._base_context():
@@ -276,12 +272,8 @@ class CompareModule(PerplexityModule):
         stats = token_stats(
             hidden, hidden_base, targets, self.scorer.head, self.reference.head, self.chunk_size, self._base_context
         )
-        self.metric.update(stats["nll"], batch["words"], batch["bytes"], batch["documents"])
         self.kl.update(**stats)
-        bad = ~torch.isfinite(stats["nll"]).all()
-        self._first_bad_step = torch.where(bad & (self._first_bad_step < 0), batch_idx, self._first_bad_step)
-        self.tokens_seen += targets.numel()
-        self.steps += 1
+        return stats["nll"]
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()

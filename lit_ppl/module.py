@@ -110,8 +110,12 @@ class PerplexityModule(L.LightningModule):
         self._first_bad_step = torch.tensor(-1, device=self.device)
         self._t0 = time.perf_counter()
 
+    def score(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Per-token NLL of the batch's scored tokens; subclasses may gather more statistics on the way."""
+        return self.scorer(batch["input_ids"], batch["score_index"], batch["targets"])
+
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        nll = self.scorer(batch["input_ids"], batch["score_index"], batch["targets"])
+        nll = self.score(batch)
         self.metric.update(nll, batch["words"], batch["bytes"], batch["documents"])
         if self.breakdown is not None:
             self.breakdown.update(nll, batch["doc_ids"], batch["score_index"] % batch["input_ids"].shape[1])
