@@ -61,7 +61,14 @@ def cut_text(src: Path, max_bytes: int | None, dst: Path) -> Path:
     return dst
 
 
-def make_llama(out: Path, tokenizer_from: Path = STORIES, seed: int = 0, **shape: Any) -> Path:
+def make_llama(
+    out: Path,
+    tokenizer_from: Path = STORIES,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    **shape: Any,
+) -> Path:
     """Save a random-init ``LlamaForCausalLM`` built from a config (plus a real tokenizer) as a checkpoint.
 
     The tokenizer is stories260K's (ids < 512), so any vocabulary of at least 512 fits the text; the model's
@@ -73,7 +80,8 @@ def make_llama(out: Path, tokenizer_from: Path = STORIES, seed: int = 0, **shape
     if (out / "config.json").is_file() and json.loads((out / "lit_ppl_shape.json").read_text()) == cfg:
         return out
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    with torch.device(device):  # a 1B model initialises in seconds on a GPU, in minutes on CPU
+        model = LlamaForCausalLM(LlamaConfig(**cfg)).to(dtype)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out)
     (out / "lit_ppl_shape.json").write_text(json.dumps(cfg))
@@ -109,7 +117,7 @@ def quiet():
         logging.getLogger("lightning.pytorch").setLevel(level)
 
 
-def lit_ppl(model: Path, text: Path, work: Path, *extra: str) -> dict[str, Any]:
+def lit_ppl(model: Path, text: Path, work: Path, *extra: str, trainer: str = "cpu") -> dict[str, Any]:
     """One in-process lit-ppl evaluation (rolling mode); returns its results (``seconds`` is the step loop)."""
     from lit_ppl.validate import evaluate
 
@@ -119,7 +127,7 @@ def lit_ppl(model: Path, text: Path, work: Path, *extra: str) -> dict[str, Any]:
         f"data.path={text}",
         f"data.cache_dir={work / 'cache'}",
         f"output_dir={work / 'out'}",
-        "trainer=cpu",
+        f"trainer={trainer}",
         "eval=rolling",
         *extra,
     )
@@ -154,7 +162,13 @@ def raw_batches(model: Path, text: Path, work: Path, seq_len: int, batch_size: i
             keep = (pos >= w.score_from[i]) & scorable[pos]
             index.append(row * width + np.flatnonzero(keep))
             targets.append(tokens[pos[keep]])
-        out.append((torch.from_numpy(input_ids), torch.from_numpy(np.concatenate(index)), torch.from_numpy(np.concatenate(targets))))
+        out.append(
+            (
+                torch.from_numpy(input_ids),
+                torch.from_numpy(np.concatenate(index)),
+                torch.from_numpy(np.concatenate(targets)),
+            )
+        )
     return out
 
 
@@ -164,31 +178,37 @@ def load_model(model: Path, dtype: torch.dtype) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval().requires_grad_(False)
 
 
-def raw_loop(lm: torch.nn.Module, batches, chunk_size: int = 1024) -> tuple[int, float, float]:
+def raw_loop(lm: torch.nn.Module, batches, chunk_size: int = 1024, device: str = "cpu") -> tuple[int, float, float]:
     """The hand-written loop: decoder → scored positions → output head in chunks → float32 cross-entropy.
 
     Same compute as lit-ppl's step (so the difference is the framework), no Lightning, no metric: the NLL
     sum accumulates in one float64 tensor, read once at the end. Returns ``(tokens, seconds, nll_sum)``.
     """
     decoder, head = lm.get_decoder(), lm.get_output_embeddings()
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
     t0 = time.perf_counter()
     with torch.inference_mode():
-        for input_ids, index, targets in batches:
+        for batch in batches:
+            input_ids, index, targets = (t.to(device, non_blocking=True) for t in batch)
             hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
             scored = hidden.flatten(0, 1)[index]
             for a in range(0, len(targets), chunk_size):
                 logits = head(scored[a : a + chunk_size]).float()
                 total += F.cross_entropy(logits, targets[a : a + chunk_size], reduction="none").double().sum()
             tokens += len(targets)
-        nll_sum = float(total)
+        nll_sum = float(total)  # the one host sync (on a GPU it waits for the queued work)
     return tokens, time.perf_counter() - t0, nll_sum
 
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     """A Markdown table of ``rows`` (the README pastes these)."""
-    fmt = lambda v: f"{v:,.3f}" if isinstance(v, float) and abs(v) < 100 else (f"{v:,.0f}" if isinstance(v, float) else str(v))  # noqa: E731
+
+    def fmt(v: Any) -> str:
+        if not isinstance(v, float):
+            return str(v)
+        return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
+
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r[c]) for c in columns) + " |" for r in rows]
     return "\n".join(lines)

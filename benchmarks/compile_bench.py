@@ -14,8 +14,17 @@ import time
 from pathlib import Path
 
 import torch
-from common import DTYPES, STORIES, WIKITEXT, cut_text, load_model, make_llama, raw_batches, raw_loop, require_shared
-from common import table
+from common import (
+    DTYPES,
+    STORIES,
+    WIKITEXT,
+    cut_text,
+    load_model,
+    make_llama,
+    raw_batches,
+    require_shared,
+    table,
+)
 
 from lit_ppl.compiling import compile_decoder
 from lit_ppl.module import TokenScorer

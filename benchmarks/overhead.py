@@ -16,8 +16,20 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import DTYPES, STORIES, WIKITEXT, cut_text, lit_ppl, load_model, make_llama, n_params, raw_batches, raw_loop
-from common import require_shared, table
+from common import (
+    DTYPES,
+    STORIES,
+    WIKITEXT,
+    cut_text,
+    lit_ppl,
+    load_model,
+    make_llama,
+    n_params,
+    raw_batches,
+    raw_loop,
+    require_shared,
+    table,
+)
 
 
 def measure(model: Path, text: Path, work: Path, precision: str, seq_len: int, batch_size: int, repeats: int) -> dict:
@@ -30,8 +42,9 @@ def measure(model: Path, text: Path, work: Path, precision: str, seq_len: int, b
         tokens, seconds, nll_sum = raw_loop(lm, batches)
         best_raw = max(best_raw, tokens / seconds)
     if tokens != r["tokens"] or abs(nll_sum - r["nll_sum"]) > 1e-4 * abs(nll_sum):
-        raise AssertionError(f"lit-ppl and the raw loop disagree: {r['tokens']} vs {tokens} tokens, "
-                             f"NLL sum {r['nll_sum']} vs {nll_sum}")
+        raise AssertionError(
+            f"lit-ppl and the raw loop disagree: {r['tokens']} vs {tokens} tokens, NLL sum {r['nll_sum']} vs {nll_sum}"
+        )
     return {
         "model": f"{model.name} ({n_params(lm) / 1e6:.2f}M)",
         "precision": precision,
@@ -44,11 +57,11 @@ def measure(model: Path, text: Path, work: Path, precision: str, seq_len: int, b
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--stories-bytes", type=int, default=None, help="cut the text for stories260K (default: whole)")
+    p.add_argument("--stories-bytes", type=int, default=300_000, help="cut the text for stories260K (0: whole)")
     p.add_argument("--llama-bytes", type=int, default=48_000, help="cut the text for the 41M model")
     p.add_argument("--precisions", default="32-true,bf16-true")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "lit_ppl_bench")
@@ -57,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     llama = make_llama(args.work / "llama41m")
     texts = {
-        STORIES: cut_text(WIKITEXT, args.stories_bytes, args.work / f"wiki_{args.stories_bytes}.txt"),
+        STORIES: cut_text(WIKITEXT, args.stories_bytes or None, args.work / f"wiki_{args.stories_bytes}.txt"),
         llama: cut_text(WIKITEXT, args.llama_bytes, args.work / f"wiki_{args.llama_bytes}.txt"),
     }
     rows = []
@@ -65,8 +78,10 @@ def main() -> None:
         for precision in args.precisions.split(","):
             rows.append(measure(model, text, args.work, precision, args.seq_len, args.batch_size, args.repeats))
             print(rows[-1], flush=True)
-    print(f"\nrolling, seq_len {args.seq_len}, batch {args.batch_size}, {args.threads} threads; "
-          f"text: WikiText-2 valid ({args.stories_bytes or 'whole'} / {args.llama_bytes} bytes)")
+    print(
+        f"\nrolling, seq_len {args.seq_len}, batch {args.batch_size}, {args.threads} threads; "
+        f"text: WikiText-2 valid ({args.stories_bytes or 'whole'} / {args.llama_bytes} bytes)"
+    )
     print(table(rows, ["model", "precision", "tokens", "raw tok/s", "lit-ppl tok/s", "ratio"]))
 
 

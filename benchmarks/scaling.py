@@ -65,8 +65,10 @@ def main() -> None:
         raise AssertionError(f"1 and 2 ranks disagree: {one} vs {two}")
     print(f"{args.model.name} · {text.stat().st_size:,} bytes · rolling {args.seq_len} · batch {args.batch_size}")
     print(table(list(best.values()), ["ranks", "tokens", "rank tokens", "loop s", "loop tok/s", "wall s"]))
-    print(f"\nloop speed-up {one['loop s'] / two['loop s']:.2f}x · end-to-end {one['wall s'] / two['wall s']:.2f}x "
-          "(goal >= 1.8)")
+    print(
+        f"\nloop speed-up {one['loop s'] / two['loop s']:.2f}x · end-to-end {one['wall s'] / two['wall s']:.2f}x "
+        "(goal >= 1.8)"
+    )
 
 
 if __name__ == "__main__":

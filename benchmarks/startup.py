@@ -1,8 +1,9 @@
 """Target 5 — start-up: process start → first batch, cold and warm tokenization cache.
 
-Runs ``python -m lit_ppl.validate`` (the whole text by default) twice in fresh processes with a fresh ``data.cache_dir``: the first run
-tokenizes the text, the second must not (``datasets`` reuses the cached ``map`` under lit-ppl's fingerprint
-of documents + tokenizer; the check is that no ``tokenizing`` progress appears in its output). A small
+Runs ``python -m lit_ppl.validate`` (the whole text by default) twice in fresh processes with a fresh
+``data.cache_dir``: the first run tokenizes the text, the second must not (``datasets`` reuses the cached
+``map`` under lit-ppl's fingerprint of documents + tokenizer; the check is that no ``tokenizing`` progress
+appears in its output). A small
 wrapper (``--child``) timestamps the stages inside the process: imports done, model built, first batch
 (scored); it then stops the process, unless ``--full`` asks for the whole run (the ``result`` column).
 
@@ -102,8 +103,10 @@ def main() -> None:
     cols += ["result"] if args.full else []
     print(table(rows, cols))
     saving = rows[0]["first batch"] - rows[1]["first batch"]
-    print(f"\nfirst batch after {rows[0]['first batch']:.2f} s cold, {rows[1]['first batch']:.2f} s warm: "
-          f"the tokenization cache saves {saving:.2f} s; second run tokenized again: {rows[1]['tokenized']}")
+    print(
+        f"\nfirst batch after {rows[0]['first batch']:.2f} s cold, {rows[1]['first batch']:.2f} s warm: "
+        f"the tokenization cache saves {saving:.2f} s; second run tokenized again: {rows[1]['tokenized']}"
+    )
     if rows[1]["tokenized"]:
         sys.exit("the second run tokenized again: the tokenization cache did not work")
 

@@ -56,7 +56,7 @@ def timed(cmd: list[str], env: dict, cwd: Path) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-true"])
@@ -104,9 +104,13 @@ def main() -> None:
         ("byte_ppl", lit_res["byte_ppl"], lm["byte_perplexity,none"]),
         ("bits_per_byte", lit_res["bits_per_byte"], lm["bits_per_byte,none"]),
     ):
-        rows.append({"metric": name, "lit-ppl": ours, "lm-eval": theirs, "rel diff": f"{abs(ours - theirs) / abs(theirs):.1e}"})
-    print(f"stories260K · {text.stat().st_size:,} bytes, {lit_res['tokens']:,} tokens · rolling {args.seq_len} · "
-          f"batch {args.batch_size} · {args.precision} · {args.threads} threads")
+        rows.append(
+            {"metric": name, "lit-ppl": ours, "lm-eval": theirs, "rel diff": f"{abs(ours - theirs) / abs(theirs):.1e}"}
+        )
+    print(
+        f"stories260K · {text.stat().st_size:,} bytes, {lit_res['tokens']:,} tokens · rolling {args.seq_len} · "
+        f"batch {args.batch_size} · {args.precision} · {args.threads} threads"
+    )
     print(table(rows, ["metric", "lit-ppl", "lm-eval", "rel diff"]))
     print()
     print(table(

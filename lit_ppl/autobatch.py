@@ -15,6 +15,7 @@ CPU a probe far over budget could exhaust the host. The answer is cached in a JS
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -47,10 +48,8 @@ def host_rss(field: str = "VmRSS") -> int:
 
 def release_free_host_memory() -> None:
     """Return malloc's free memory to the OS (glibc ``malloc_trim``; a no-op elsewhere)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def default_budget(device: torch.device) -> int:
@@ -226,4 +225,30 @@ def auto_batch_size(
         )
     if path is not None:
         write_cache(path, key, best)
+    return best
+
+
+def resolve(trainer: Any, seq_len: int, **options: Any) -> int:
+    """``batch_size=auto`` inside a run (from the datamodule's ``val_dataloader``, after the model is built).
+
+    Probes the module's scorer under the precision plugin's step context, then takes the smallest answer over
+    the ranks: every rank must plan the same batches, or their step counts differ and a collective waits.
+    ``options``: :func:`auto_batch_size`'s ``max_memory_gb``, ``max_batch``, ``cache``.
+    """
+    module = trainer.lightning_module
+    if getattr(module, "shard", None) is not None:
+        raise ValueError("batch_size=auto probes each rank's model alone; with strategy=fsdp/hsdp give a number")
+    best = auto_batch_size(
+        module.scorer,
+        seq_len,
+        model=module.spec.path,
+        precision=str(trainer.precision),
+        chunk_size=module.chunk_size,
+        context=trainer.precision_plugin.val_step_context,
+        **options,
+    )
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        agreed = torch.tensor(best, device=module.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        best = int(agreed)
     return best

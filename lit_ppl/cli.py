@@ -116,6 +116,10 @@ def _root_defaults() -> dict[str, Any]:
     return {**root, "choices": choices}
 
 
+# Keys whose YAML default does not show every type they take.
+OVERRIDE_TYPES: dict[str, Any] = {"batch_size": int | Literal["auto"]}
+
+
 def _plain_keys(defaults: dict[str, Any]) -> dict[str, Any]:
     """The keys of ``conf/validate.yaml`` that are not config groups or mapped to a Trainer argument."""
     return {k: v for k, v in defaults.items() if k not in (*MAPPED_KEYS, "choices")}
@@ -127,7 +131,7 @@ def _add_plain_arguments(parser: LightningArgumentParser, values: dict[str, Any]
         if isinstance(value, dict):
             _add_plain_arguments(parser, value, f"{prefix}{key}.")
             continue
-        kind = PLAIN_TYPES.get(type(value), Any)
+        kind = OVERRIDE_TYPES.get(f"{prefix}{key}", PLAIN_TYPES.get(type(value), Any))
         parser.add_argument(
             f"--{prefix}{key}", type=kind, default=value, help=f"As {prefix}{key} in conf/validate.yaml."
         )

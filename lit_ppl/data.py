@@ -249,9 +249,10 @@ class PerplexityDataModule(L.LightningDataModule):
         mode: ``rolling``, ``sliding`` or ``block`` (see :mod:`lit_ppl.windows`).
         seq_len: most input tokens per window.
         stride: ``sliding`` mode's stride.
-        batch_size: windows per batch.
+        batch_size: windows per batch, or ``"auto"``: the largest that fits (:mod:`lit_ppl.autobatch`).
         num_workers: DataLoader workers (batches are cheap to build; 0 is usually right).
         limits: the model's ``(vocab_size, max_positions)``, checked against the data and ``seq_len``.
+        autobatch: options of :func:`lit_ppl.autobatch.resolve` for ``batch_size="auto"``.
     """
 
     def __init__(
@@ -261,12 +262,15 @@ class PerplexityDataModule(L.LightningDataModule):
         mode: str = "rolling",
         seq_len: int = 512,
         stride: int | None = None,
-        batch_size: int = 8,
+        batch_size: int | str = 8,
         num_workers: int = 0,
         limits: tuple[int, int | None] | None = None,
+        autobatch: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.limits = limits
+        if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size={batch_size!r} must be a positive integer or auto")
+        self.limits, self.autobatch = limits, autobatch or {}
         self.spec, self.tokenizer = data, tokenizer
         self.mode, self.seq_len, self.stride = mode, seq_len, stride
         self.batch_size, self.num_workers = batch_size, num_workers
@@ -304,6 +308,10 @@ class PerplexityDataModule(L.LightningDataModule):
         return ExactBatchSampler(self.windows.lengths, rank, world_size, self.batch_size, skip)
 
     def val_dataloader(self) -> DataLoader:
+        if self.batch_size == "auto":  # the model is built by now: probe it
+            from lit_ppl.autobatch import resolve
+
+            self.batch_size = resolve(self.trainer, self.seq_len, **self.autobatch)
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         return DataLoader(
             WindowIds(len(self.windows)),

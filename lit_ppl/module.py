@@ -58,6 +58,7 @@ class PerplexityModule(L.LightningModule):
             sharded; the report's ``quantized_params`` (names in ``lm``) are kept out of DDP/FSDP wrapping,
             whose hooks cannot handle torchao's quantized tensors.
         timeout_s: how long the final synchronisation waits for every rank before naming the missing ones.
+        compile_decoder: ``torch.compile`` the decoder (:mod:`lit_ppl.compiling`).
     """
 
     def __init__(
@@ -67,8 +68,10 @@ class PerplexityModule(L.LightningModule):
         shard: Any = None,
         quantize: Any = None,
         timeout_s: float = 300.0,
+        compile_decoder: bool = False,
     ) -> None:
         super().__init__()
+        self.compile_decoder = compile_decoder
         self.spec, self.chunk_size, self.shard, self.quantize = model, chunk_size, shard, quantize
         self.timeout_s = timeout_s
         self.quant_report: Any = None
@@ -90,6 +93,10 @@ class PerplexityModule(L.LightningModule):
             # Lightning's DDP reads this attribute; FSDP2 gets the same set as ignored_params.
             self._ddp_params_and_buffers_to_ignore = [f"scorer.lm.{n}" for n in self.quant_report.quantized_params]
         self.scorer = TokenScorer(lm, self.chunk_size)
+        if self.compile_decoder:
+            from lit_ppl.compiling import compile_decoder
+
+            compile_decoder(self.scorer)
         if self.shard is not None:
             self.shard(self.scorer, self)
 

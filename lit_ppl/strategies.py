@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
@@ -70,6 +71,20 @@ def precision_args(name: str, precision: str, accelerator: str) -> dict:
     )
     plugin = DoublePrecision() if precision.startswith("64") else MixedPrecision("16-mixed", device)
     return {"plugins": [plugin]}
+
+
+def set_cpu_threads(accelerator: str, devices: int) -> None:
+    """On CPU, split the cores between the node's ranks unless ``OMP_NUM_THREADS`` says otherwise.
+
+    Every process defaults to one thread per core: two ranks on two cores then run four threads and small
+    matmuls slow down several-fold (measured: 37 µs → 290 µs).
+    """
+    if (
+        devices > 1
+        and "OMP_NUM_THREADS" not in os.environ
+        and (accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()))
+    ):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices))
 
 
 def cluster_plugins() -> list:

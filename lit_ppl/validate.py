@@ -106,6 +106,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     check_targets(cfg)
     check_output_dir(cfg.output_dir)
     L.seed_everything(cfg.seed, verbose=False)
+    strategies.set_cpu_threads(str(cfg.trainer.accelerator), int(cfg.trainer.devices))
     model_spec = build(cfg.model)
     limits = model_spec.limits()  # reads the checkpoint's config: fails fast on a path that is not a causal LM
     devices, num_nodes = int(cfg.trainer.devices), int(cfg.trainer.num_nodes)
@@ -118,6 +119,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         stride=cfg.eval.stride,
         batch_size=cfg.batch_size,
         limits=limits,
+        autobatch=OmegaConf.to_container(cfg.autobatch, resolve=True),
     )
     module = compare.build_module(
         OmegaConf.to_container(cfg.compare, resolve=True),
@@ -126,6 +128,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         shard,
         quantize.build(OmegaConf.to_container(cfg.quant, resolve=True)),
         timeout_s=cfg.distributed.timeout_s,
+        compile_decoder=bool(cfg.compile),
     )
     config = OmegaConf.to_container(cfg, resolve=True)
     callbacks: list[L.Callback] = [TokensPerSecondBar()]
@@ -160,6 +163,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
         "strategy": cfg.strategy.name,
+        "batch_size": datamodule.batch_size,  # the resolved number under batch_size=auto
         "precision": str(cfg.precision),
         "model": model_spec.path,
     }

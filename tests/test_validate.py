@@ -101,3 +101,15 @@ def test_installed_package_finds_its_config(tmp_path):
     assert conf.startswith(os.path.dirname(pkg_file)) and conf.endswith("conf")
     assert os.path.isfile(os.path.join(conf, "validate.yaml"))
     assert torch is not None
+
+
+def test_auto_batch_size_resolves_and_agrees(compose, tmp_path):
+    ref = evaluate(compose("eval.seq_len=128"))
+    r = evaluate(
+        compose(
+            "eval.seq_len=128", "batch_size=auto", "autobatch.max_memory_gb=0.05", f"autobatch.cache={tmp_path}/ab.json"
+        )
+    )
+    assert isinstance(r["batch_size"], int) and r["batch_size"] >= 1
+    assert (tmp_path / "ab.json").is_file()
+    assert r["tokens"] == ref["tokens"] and r["ppl"] == pytest.approx(ref["ppl"], rel=1e-6)

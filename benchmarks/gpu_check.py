@@ -1,0 +1,97 @@
+"""The GPU part of issue 6, called by ``gpu_check.sh``: throughput, framework overhead, MFU and the INT4 path.
+
+On one CUDA device: a ~1.1B Llama (TinyLlama's shape: hidden 2048, 22 layers, 32 heads / 4 KV heads,
+vocab 32k) built from a config with random weights and saved in bf16, evaluated by lit-ppl (``bf16-true``,
+rolling windows of 2048, batch 8) over WikiText-2 validation, against the raw ``inference_mode`` loop on
+the same batches (target 1's ratio), then with ``quant=int4`` (torchao's CUDA tinygemm kernel). MFU is the
+achieved model FLOP/s over the device's dense bf16 peak:
+
+    FLOPs/token = 2 · (non-embedding parameters) + 2 · hidden · vocab (the head)
+                  + 4 · layers · hidden · (mean attended positions ≈ (seq_len + 1) / 2)
+
+It fails loudly (exit status 2) without CUDA. Budget: under 5 minutes including the model's creation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
+PEAKS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12,
+         "A10G": 70e12, "L4": 121e12}  # fmt: skip
+TINYLLAMA = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+             "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: from the GPU name)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--text-bytes", type=int, default=0, help="cut the text (0: whole, ~670k tokens)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "lit_ppl_gpu_check")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: FAILED: no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
+        sys.exit(2)
+    from common import WIKITEXT, cut_text, lit_ppl, load_model, make_llama, raw_batches, raw_loop, require_shared, table
+
+    require_shared()
+    name = torch.cuda.get_device_name(0)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else next((v for k, v in PEAKS.items() if k in name), None)
+    if peak is None:
+        sys.exit(f"gpu_check: unknown bf16 peak for {name!r}: pass --peak-tflops")
+    t0 = time.perf_counter()
+    model = make_llama(args.work / "llama1b", dtype=torch.bfloat16, device="cuda", **TINYLLAMA)
+    text = cut_text(WIKITEXT, args.text_bytes or None, args.work / "text.txt")
+    print(f"{name}: model ready in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    common = ("precision=bf16-true", f"eval.seq_len={args.seq_len}", f"batch_size={args.batch_size}",
+              "trainer.accelerator=gpu", "trainer.devices=1")  # fmt: skip
+    lm = load_model(model, torch.bfloat16).cuda()
+    batches = raw_batches(model, text, args.work, args.seq_len, args.batch_size)
+    n_params = sum(p.numel() for p in lm.parameters())
+    embed = lm.get_input_embeddings().weight.numel()
+    cfg = lm.config
+    flops_per_token = (
+        2 * (n_params - embed)
+        + 2 * cfg.hidden_size * cfg.vocab_size
+        + 4 * cfg.num_hidden_layers * cfg.hidden_size * (args.seq_len + 1) / 2
+    )
+    raw_tps = lit_tps = 0.0
+    for _ in range(args.repeats):  # the first pass of each also warms up cuBLAS / the allocator
+        tokens, seconds, raw_sum = raw_loop(lm, batches, device="cuda")
+        raw_tps = max(raw_tps, tokens / seconds)
+        r = lit_ppl(model, text, args.work, *common, trainer="default")
+        lit_tps = max(lit_tps, r["tokens"] / r["seconds"])
+    if r["tokens"] != tokens or abs(r["nll_sum"] - raw_sum) > 1e-3 * abs(raw_sum):
+        sys.exit(f"gpu_check: lit-ppl and the raw loop disagree: {r['tokens']} vs {tokens} tokens, "
+                 f"NLL {r['nll_sum']} vs {raw_sum}")  # fmt: skip
+    del lm
+    torch.cuda.empty_cache()
+    q = lit_ppl(model, text, args.work, *common, "quant=int4", trainer="default")
+    rows = [
+        {"run": "raw loop bf16", "tok/s": raw_tps, "MFU": f"{flops_per_token * raw_tps / peak:.1%}", "ppl": "-"},
+        {"run": "lit-ppl bf16", "tok/s": lit_tps, "MFU": f"{flops_per_token * lit_tps / peak:.1%}",
+         "ppl": f"{r['ppl']:.2f}"},
+        {"run": "lit-ppl int4 (tinygemm)", "tok/s": q["tokens"] / q["seconds"], "MFU": "-", "ppl": f"{q['ppl']:.2f}"},
+    ]  # fmt: skip
+    print(
+        f"\n{name} · {n_params / 1e9:.2f}B params · {r['tokens']:,} tokens · rolling {args.seq_len} · batch "
+        f"{args.batch_size} · {flops_per_token / 1e9:.2f} GFLOP/token · peak {peak / 1e12:.0f} TFLOP/s"
+    )
+    print(table(rows, ["run", "tok/s", "MFU", "ppl"]))
+    print(f"\nframework overhead ratio (lit-ppl / raw): {lit_tps / raw_tps:.3f} (goal >= 0.95)")
+    print(f"int4 vs bf16 perplexity: {q['ppl'] / r['ppl'] - 1:+.2%} (random weights: only a sanity check)")
+    print(f"total {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
