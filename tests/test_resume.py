@@ -42,6 +42,9 @@ def _cmd(text: Path, out: Path, *extra: str) -> list[str]:
         "trainer.accelerator=cpu",
         "resume.save_every=5",
         "resume.check_every=1",
+        # a wider built-in model, so that a run lasts seconds and a test can act mid-run
+        "model.hidden_size=256",
+        "model.num_layers=4",
         *extra,
     ]
 

@@ -50,7 +50,16 @@ def test_preempted_job_requeues_and_resumes_bit_identical(slurm, tmp_path):
     require_shared()
     text = tmp_path / "wiki.txt"
     text.write_text(WIKITEXT.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
-    args = [f"data.path={text}", "eval.seq_len=256", "batch_size=4", "resume.save_every=5", "resume.check_every=1"]
+    args = [
+        f"data.path={text}",
+        "eval.seq_len=256",
+        "batch_size=4",
+        "resume.save_every=5",
+        "resume.check_every=1",
+        # a wider built-in model, so that the run lasts seconds and the signal lands mid-run
+        "model.hidden_size=256",
+        "model.num_layers=4",
+    ]
     local, ref = run_entry([*args, "trainer.accelerator=cpu"], tmp_path / "local")
     assert local.returncode == 0, local.stderr[-2000:]
 
