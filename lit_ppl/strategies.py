@@ -73,6 +73,19 @@ def precision_args(name: str, precision: str, accelerator: str) -> dict:
     return {"plugins": [plugin]}
 
 
+def check_devices(accelerator: str, devices: int) -> None:
+    """``trainer.devices`` GPUs must exist; Lightning's own message ("No supported gpu backend found!") says less."""
+    if accelerator not in ("gpu", "cuda"):
+        return  # CPU "devices" are processes: more than the cores is slow but valid
+    visible = torch.cuda.device_count()
+    if devices > visible:
+        raise ValueError(
+            f"trainer.accelerator={accelerator} trainer.devices={devices}, but {visible} CUDA devices are visible "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use trainer.devices<={visible} or "
+            "trainer.accelerator=cpu"
+        )
+
+
 def set_cpu_threads(accelerator: str, devices: int) -> None:
     """On CPU, split the cores between the node's ranks unless ``OMP_NUM_THREADS`` says otherwise.
 

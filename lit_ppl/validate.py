@@ -106,6 +106,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     check_targets(cfg)
     check_output_dir(cfg.output_dir)
     L.seed_everything(cfg.seed, verbose=False)
+    strategies.check_devices(str(cfg.trainer.accelerator), int(cfg.trainer.devices))
     strategies.set_cpu_threads(str(cfg.trainer.accelerator), int(cfg.trainer.devices))
     model_spec = build(cfg.model)
     limits = model_spec.limits()  # reads the checkpoint's config: fails fast on a path that is not a causal LM

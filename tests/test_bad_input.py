@@ -117,7 +117,12 @@ CASES = [
         "would quantize none of the 35 layers",
     ),
     ("bad precision", lambda t: ["precision=fp8"], Exception, "Precision 'fp8' is invalid"),
-    ("no gpu", lambda t: ["trainer.accelerator=gpu"], Exception, "No supported gpu backend found"),
+    (
+        "no gpu",
+        lambda t: ["trainer.accelerator=gpu", "trainer.devices=2", "strategy=ddp"],
+        ValueError,
+        "trainer.accelerator=gpu trainer.devices=2, but 0 CUDA devices are visible",
+    ),
     ("output_dir not writable", lambda t: [f"output_dir={_bytes(t, 'file', b'x')}/sub"], ValueError, "is not writable"),
     (
         "foreign _target_",
