@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from lit_ppl import compare, quantize, strategies
 from lit_ppl.data import PerplexityDataModule
 from lit_ppl.distributed import RankFailure, first_line, rank
+from lit_ppl.module import PerplexityModule
 from lit_ppl.progress import TokensPerSecondBar
 from lit_ppl.results import build_results, print_table, write_json_atomic, write_per_document
 from lit_ppl.resume import EXIT_PREEMPTED, Preempted, ResumeCallback, install_signal_handlers, requeue_if_slurm
@@ -61,7 +62,7 @@ def conf_dir() -> str:
 
 
 # Keys that may change between attempts of the same run without changing its numbers.
-VOLATILE_KEYS = ("output_dir", "distributed", "resume")
+VOLATILE_KEYS = ("output_dir", "distributed", "resume", "report")
 
 
 def build(node: DictConfig) -> Any:
@@ -171,21 +172,27 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     results = build_results(module.result, run, config)
     results.update(compare.extra_results(module))  # "quant", and "reference_quant"/"compare" when comparing
     if trainer.is_global_zero:
-        path = write_json_atomic(Path(cfg.output_dir) / "results.json", results)
-        if cfg.report.per_document and module.per_document is not None:
-            table = Path(cfg.output_dir) / f"per_document.{cfg.report.per_document}"
-            print(f"per-document table: {write_per_document(table, *module.per_document)}")
-        if cfg.report.plots and results.get("nll_by_position"):
-            from lit_ppl.plots import plot_nll_by_position
-
-            plot_nll_by_position(results["nll_by_position"], Path(cfg.output_dir) / "nll_by_position.png")
-        print_table(results)
-        if results.get("compare"):
-            compare.print_table(results["compare"])
-        if model_spec.is_builtin:
-            print("note: the built-in model has random weights, so its perplexity is near its vocabulary size (258).")
-        print(f"results: {path}")
+        write_outputs(cfg, results, module)
     return results
+
+
+def write_outputs(cfg: DictConfig, results: dict[str, Any], module: PerplexityModule) -> None:
+    """Rank 0: ``results.json`` (atomically), the optional per-document table and plot, and the summary table."""
+    out = Path(cfg.output_dir)
+    path = write_json_atomic(out / "results.json", results)
+    if cfg.report.per_document and module.per_document is not None:
+        table = write_per_document(out / f"per_document.{cfg.report.per_document}", *module.per_document)
+        print(f"per-document table: {table}")
+    if cfg.report.plots and results.get("nll_by_position"):
+        from lit_ppl.plots import plot_nll_by_position
+
+        plot_nll_by_position(results["nll_by_position"], out / "nll_by_position.png")
+    print_table(results)
+    if results.get("compare"):
+        compare.print_table(results["compare"])
+    if module.spec.is_builtin:
+        print("note: the built-in model has random weights, so its perplexity is near its vocabulary size (258).")
+    print(f"results: {path}")
 
 
 def _fail(message: str, code: int) -> None:
