@@ -168,9 +168,14 @@ class PerplexityModule(L.LightningModule):
         ).reshape(-1, 3)
         if int(stats["nonfinite"]) > 0:
             first = {r: int(s) for r, s in enumerate(per_rank[:, 2].tolist()) if s >= 0}
+            precision = str(self.trainer.precision)
+            hint = (
+                "the model itself produces them: check its weights"
+                if precision in ("32-true", "64-true", "32", "64")
+                else f"the model overflows in precision={precision}: try 32-true or bf16-mixed"
+            )
             raise FloatingPointError(
-                f"{int(stats['nonfinite'])} tokens had a NaN/inf loss (first at batch {first} by rank); the model "
-                f"overflows in precision={self.trainer.precision}: try 32-true or bf16-mixed"
+                f"{int(stats['nonfinite'])} tokens had a NaN/inf loss (first at batch {first} by rank); {hint}"
             )
         self.result = {
             **{k: v.item() for k, v in stats.items() if k != "nonfinite"},
