@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +102,28 @@ class ModelSpec:
             ) from err
         return HFTokenizer(tok)
 
+    def safetensors_files(self) -> list[Path]:
+        """The checkpoint's ``*.safetensors`` files (empty for the built-in model or other formats)."""
+        return [] if self.is_builtin else sorted(Path(self.path).expanduser().glob("*.safetensors"))
+
+    def build_empty(self, dtype: torch.dtype) -> nn.Module:
+        """The model with parameters on the meta device (no memory) and real buffers, in eval mode."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.from_pretrained(str(Path(self.path).expanduser()), **self._pretrained_kwargs)
+        with parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=self.trust_remote_code)
+        return model.eval().requires_grad_(False)
+
+    def read_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The full state dict from the safetensors files, cast to ``dtype`` (floating tensors only)."""
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for path in self.safetensors_files():
+            state.update(load_file(str(path)))
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
     def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         """Instantiate the model in ``dtype`` on the current default device, in eval mode."""
         from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -139,6 +163,27 @@ class ModelSpec:
                     f"model.path={self.path!r} is not a causal LM transformers can load: {first_line(err)}"
                 ) from err
         return model.eval().requires_grad_(False)
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device while buffers (rotary frequencies, ...) are computed for real.
+
+    Sharded evaluation then materialises only each rank's shard; the buffers, which no checkpoint holds, keep
+    the values the model's own ``__init__`` computed.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
 
 
 def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:

@@ -87,7 +87,11 @@ class PerplexityModule(L.LightningModule):
         if self.scorer is not None:
             return
         precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
-        lm = self.spec.build(LOAD_DTYPE.get(precision, torch.float32))
+        dtype = LOAD_DTYPE.get(precision, torch.float32)
+        if self.shard is not None and self.quantize is None and self.spec.safetensors_files():
+            self._build_sharded(dtype)
+            return
+        lm = self.spec.build(dtype)
         if self.quantize is not None:
             self.quant_report = self.quantize(lm)
             # Lightning's DDP reads this attribute; FSDP2 gets the same set as ignored_params.
@@ -99,6 +103,30 @@ class PerplexityModule(L.LightningModule):
             compile_decoder(self.scorer)
         if self.shard is not None:
             self.shard(self.scorer, self)
+
+    def _build_sharded(self, dtype: torch.dtype) -> None:
+        """FSDP without ever holding the whole model on a rank: meta parameters, shard, then load the shards.
+
+        Rank 0 reads the safetensors checkpoint and ``set_model_state_dict`` sends every rank its shard.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        self.scorer = TokenScorer(self.spec.build_empty(dtype), self.chunk_size)
+        self.shard(self.scorer, self)
+        buffers = dict(self.scorer.named_buffers())  # real values; to_empty would leave them uninitialised
+        self.scorer.to_empty(device=self.device)
+        with torch.no_grad():
+            for name, buffer in self.scorer.named_buffers():
+                buffer.copy_(buffers[name])
+        full = self.spec.read_weights(dtype) if self.global_rank == 0 else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        incompatible = set_model_state_dict(self.scorer.lm, full, options=options)
+        tied = {"lm_head.weight"} if getattr(self.scorer.lm.config, "tie_word_embeddings", False) else set()
+        missing = set(incompatible.missing_keys) - tied
+        if missing:
+            raise ValueError(
+                f"model.path={self.spec.path!r}: the checkpoint lacks {sorted(missing)[:3]}... for sharded loading"
+            )
 
     def setup(self, stage: str) -> None:
         dm = self.trainer.datamodule
