@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,9 +63,17 @@ class ModelSpec:
     def is_builtin(self) -> bool:
         return self.path == BUILTIN
 
-    @property
-    def _pretrained_kwargs(self) -> dict:
-        return {"trust_remote_code": self.trust_remote_code, "revision": self.revision}
+    def _from_pretrained(self, auto_class: type, problem: str, **kwargs: Any) -> Any:
+        """``auto_class.from_pretrained(path)``, its failure reported as one line naming ``model.path``."""
+        try:
+            return auto_class.from_pretrained(
+                str(Path(self.path).expanduser()),
+                trust_remote_code=self.trust_remote_code,
+                revision=self.revision,
+                **kwargs,
+            )
+        except (OSError, ValueError, KeyError) as err:
+            raise ValueError(f"model.path={self.path!r} {problem}: {first_line(err)}") from err
 
     def limits(self) -> tuple[int, int | None]:
         """``(vocab_size, max_positions)`` from the model's config, without loading its weights."""
@@ -72,12 +81,7 @@ class ModelSpec:
             return ByteTokenizer.vocab_size, self.max_positions
         from transformers import AutoConfig
 
-        try:
-            cfg = AutoConfig.from_pretrained(str(Path(self.path).expanduser()), **self._pretrained_kwargs)
-        except (OSError, ValueError, KeyError) as err:
-            raise ValueError(
-                f"model.path={self.path!r}: transformers cannot read its config: {first_line(err)}"
-            ) from err
+        cfg = self._from_pretrained(AutoConfig, "has no config transformers can read")
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         if cfg.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not self.trust_remote_code:
@@ -94,13 +98,7 @@ class ModelSpec:
             return ByteTokenizer()
         from transformers import AutoTokenizer
 
-        try:
-            tok = AutoTokenizer.from_pretrained(str(Path(self.path).expanduser()), **self._pretrained_kwargs)
-        except (OSError, ValueError, KeyError) as err:
-            raise ValueError(
-                f"model.path={self.path!r} has no tokenizer transformers can load: {first_line(err)}"
-            ) from err
-        return HFTokenizer(tok)
+        return HFTokenizer(self._from_pretrained(AutoTokenizer, "has no tokenizer transformers can load"))
 
     def safetensors_files(self) -> list[Path]:
         """The checkpoint's ``*.safetensors`` files (empty for the built-in model or other formats)."""
@@ -110,7 +108,7 @@ class ModelSpec:
         """The model with parameters on the meta device (no memory) and real buffers, in eval mode."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        cfg = AutoConfig.from_pretrained(str(Path(self.path).expanduser()), **self._pretrained_kwargs)
+        cfg = self._from_pretrained(AutoConfig, "has no config transformers can read")
         with parameters_on_meta():
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=self.trust_remote_code)
         return model.eval().requires_grad_(False)
@@ -154,14 +152,7 @@ class ModelSpec:
                     torch.set_default_dtype(default_dtype)
             model = model.to(dtype)
         else:
-            try:
-                model = AutoModelForCausalLM.from_pretrained(
-                    str(Path(self.path).expanduser()), dtype=dtype, **self._pretrained_kwargs
-                )
-            except (OSError, ValueError, KeyError) as err:
-                raise ValueError(
-                    f"model.path={self.path!r} is not a causal LM transformers can load: {first_line(err)}"
-                ) from err
+            model = self._from_pretrained(AutoModelForCausalLM, "is not a causal LM transformers can load", dtype=dtype)
         return model.eval().requires_grad_(False)
 
 
