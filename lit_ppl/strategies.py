@@ -1,6 +1,6 @@
 """Lightning strategies for evaluation, each with the timeout that keeps a dead rank from hanging the rest.
 
-* ``auto`` — one process (one device).
+* ``auto`` — one process (one device); with several, ``ddp``.
 * ``ddp`` — the model replicated in every process.
 * ``fsdp`` — FSDP2 (``fully_shard`` on every decoder block, then the root) over all ranks, through
   Lightning's ``ModelParallelStrategy`` with ``data_parallel_size=world`` and ``tensor_parallel_size=1``
@@ -111,11 +111,9 @@ def build(name: str, timeout_s: float, devices: int, num_nodes: int) -> tuple[St
     """The Lightning strategy for ``name`` and the function that shards the model for it (or ``None``)."""
     timeout = timedelta(seconds=timeout_s)
     world = devices * num_nodes
-    if name == "auto":
-        if world > 1:
-            raise ValueError(f"strategy=auto runs one process but trainer.devices×num_nodes={world}; use strategy=ddp")
+    if name == "auto" and world == 1:
         return "auto", None
-    if name == "ddp":
+    if name in ("auto", "ddp"):  # auto on several processes: replicate, as Lightning's "auto" would
         return DDPStrategy(timeout=timeout), None
     if name in ("fsdp", "hsdp"):
         if name == "hsdp" and num_nodes < 2:

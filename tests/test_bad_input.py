@@ -109,7 +109,6 @@ CASES = [
         ValueError,
         "eval.mode='zigzag' is not one of rolling, sliding, block",
     ),
-    ("bad strategy for world", lambda t: ["trainer.devices=2"], ValueError, "strategy=auto runs one process"),
     (
         "group size fits no layer",
         lambda t: [f"model.path={STORIES}", "quant=int4", "quant.group_size=256"],
