@@ -48,6 +48,7 @@ USER_ERRORS = (
     PermissionError,
     FloatingPointError,
     RankFailure,
+    quantize.RankMismatchError,  # ranks quantized differently: the message names the modules
     MisconfigurationException,  # Lightning's word for a bad precision, accelerator or device count
 )
 
