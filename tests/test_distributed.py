@@ -179,13 +179,16 @@ def test_killed_rank_fails_the_job_within_the_timeout(tmp_path):
         "trainer.devices=2",
         f"distributed.timeout_s={timeout_s}",
         "resume.save_every=5",
+        # a wider built-in model: rank 1 is still mid-run when the test kills it
+        "model.hidden_size=256",
+        "model.num_layers=4",
         f"output_dir={out}",
         f"hydra.run.dir={out}",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     parent = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not (out / "progress" / "rank1-step5.pt").exists():  # rank 1 is mid-run once it has saved progress
+    while not list((out / "progress").glob("rank1-step*.pt")):  # rank 1 is mid-run once it has saved progress
         assert parent.poll() is None and time.monotonic() < deadline, "rank 1 never got going"
         time.sleep(0.05)
     children = subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True, text=True).stdout.split()

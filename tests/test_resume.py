@@ -59,6 +59,14 @@ def _run(text: Path, out: Path, *extra: str) -> tuple[subprocess.CompletedProces
     return proc, json.loads(path.read_text()) if path.is_file() else None
 
 
+def _saved_at_least(out: Path, step: int) -> bool:
+    """Rank 0 has saved progress at ``step`` or later (older files are pruned as newer ones land)."""
+    steps = [
+        int(m.group(1)) for p in (out / "progress").glob("rank0-step*.pt") if (m := re.search(r"step(\d+)", p.name))
+    ]
+    return any(s >= step for s in steps)
+
+
 def _start_and_wait(text: Path, out: Path, *extra: str, step: int = 5) -> subprocess.Popen:
     """Start a run and return once rank 0 has saved progress at ``step`` (it is then mid-run)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -66,7 +74,7 @@ def _start_and_wait(text: Path, out: Path, *extra: str, step: int = 5) -> subpro
         _cmd(text, out, *extra), cwd=out, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     deadline = time.monotonic() + 120
-    while not (out / "progress" / f"rank0-step{step}.pt").exists():
+    while not _saved_at_least(out, step):
         assert proc.poll() is None, "the run ended before saving progress: " + proc.stderr.read()[-2000:]
         assert time.monotonic() < deadline, "no progress saved within 120 s"
         time.sleep(0.05)
