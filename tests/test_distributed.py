@@ -203,6 +203,10 @@ def test_killed_rank_fails_the_job_within_the_timeout(tmp_path):
         pytest.fail("rank 0 hung after rank 1 was killed")
     elapsed = time.monotonic() - killed_at
     assert parent.returncode != 0 and not (out / "results.json").exists()
-    assert "lit-ppl: error: rank 0:" in err, err[-3000:]
-    assert err.count("lit-ppl: error") == 1, "one clear message, not one per layer"
+    # Whichever notices first reports it, in one message: lit-ppl's failed collective on rank 0, or Lightning's
+    # launcher, which watches the ranks it started and ends the job when one dies.
+    ours = "lit-ppl: error: rank 0: lost contact with another rank" in err
+    lightnings = "[rank: 1] Child process with PID" in err and "terminated with code -9" in err
+    assert ours or lightnings, err[-3000:]
+    assert err.count("lit-ppl: error") <= 1, "one clear message, not one per layer"
     assert elapsed < timeout_s + 120
