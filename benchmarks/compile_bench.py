@@ -27,7 +27,7 @@ from common import (
 )
 
 from lit_ppl.compiling import compile_decoder
-from lit_ppl.module import TokenScorer
+from lit_ppl.scorer import TokenScorer
 
 
 def main() -> None:

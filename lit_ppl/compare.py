@@ -21,8 +21,9 @@ from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
 from lit_ppl.models import ModelSpec
-from lit_ppl.module import LOAD_DTYPE, PerplexityModule, TokenScorer
+from lit_ppl.module import LOAD_DTYPE, PerplexityModule
 from lit_ppl.quantize import build as build_quantize
+from lit_ppl.scorer import TokenScorer, check_scorer
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUMS = ("nll", "nll2", "nll_base", "nll_base2", "nll_nll_base", "kld", "kld2", "p_diff", "p_diff2", "p_diff4")
@@ -36,7 +37,7 @@ class CompareScorer(TokenScorer):
     def forward(self, input_ids: Tensor, score_index: Tensor, targets: Tensor | None = None) -> Tensor:
         if targets is not None:
             return super().forward(input_ids, score_index, targets)
-        hidden = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+        hidden = self.hidden(input_ids)
         return hidden.reshape(-1, hidden.shape[-1]).index_select(0, score_index)  # (n, d)
 
 
@@ -255,6 +256,11 @@ class CompareModule(PerplexityModule):
                 self.shard(self.reference, self)
             finally:
                 self.quant_report = candidate_report
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        with self._base_context():
+            check_scorer(self.reference, self.device)  # the reference's path must be its model's too
 
     def _base_context(self) -> contextlib.AbstractContextManager:
         if self.ref_dtype is None:

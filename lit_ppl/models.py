@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,10 +100,6 @@ class ModelSpec:
 
         return HFTokenizer(self._from_pretrained(AutoTokenizer, "has no tokenizer transformers can load"))
 
-    def safetensors_files(self) -> list[Path]:
-        """The checkpoint's ``*.safetensors`` files (empty for the built-in model or other formats)."""
-        return [] if self.is_builtin else sorted(Path(self.path).expanduser().glob("*.safetensors"))
-
     def build_empty(self, dtype: torch.dtype) -> nn.Module:
         """The model with parameters on the meta device (no memory) and real buffers, in eval mode."""
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -113,14 +109,15 @@ class ModelSpec:
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=self.trust_remote_code)
         return model.eval().requires_grad_(False)
 
-    def read_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The full state dict from the safetensors files, cast to ``dtype`` (floating tensors only)."""
-        from safetensors.torch import load_file
+    def full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Exactly the tensors ``from_pretrained`` loads, keyed as the model names them, in host memory.
 
-        state: dict[str, torch.Tensor] = {}
-        for path in self.safetensors_files():
-            state.update(load_file(str(path)))
-        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        transformers' own loading renames the checkpoint's keys (GPT-NeoX's ``embed_out``), fuses per-expert
+        tensors into the 3D expert parameters of mixture-of-experts layers and ties weights; reading the
+        safetensors files directly would bypass all of it.
+        """
+        with torch.device("cpu"):  # never the whole model on one accelerator
+            return self.build(dtype).state_dict()
 
     def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         """Instantiate the model in ``dtype`` on the current default device, in eval mode."""
@@ -152,8 +149,41 @@ class ModelSpec:
                     torch.set_default_dtype(default_dtype)
             model = model.to(dtype)
         else:
-            model = self._from_pretrained(AutoModelForCausalLM, "is not a causal LM transformers can load", dtype=dtype)
+            model, info = self._from_pretrained(
+                AutoModelForCausalLM, "is not a causal LM transformers can load", dtype=dtype, output_loading_info=True
+            )
+            self.check_loading(info)
         return model.eval().requires_grad_(False)
+
+    def check_loading(self, info: dict[str, Any]) -> None:
+        """Refuse a checkpoint that does not provide exactly the model's tensors (``from_pretrained``'s report).
+
+        transformers initialises a missing tensor at random and drops an unexpected one, with a log line at
+        most: either way the perplexity would be that of another model.
+        """
+        mismatched = [k for k, *_ in info.get("mismatched_keys") or []]
+        problem = key_problem(self.path, info.get("missing_keys") or [], info.get("unexpected_keys") or [], mismatched)
+        if problem:
+            raise ValueError(problem)
+
+
+def key_problem(
+    path: str, missing: Iterable[str], unexpected: Iterable[str], mismatched: Iterable[str] = ()
+) -> str | None:
+    """One line naming what a checkpoint lacks, has in excess or has in the wrong shape (``None`` if nothing)."""
+    for keys, what in (
+        (missing, "lacks"),
+        (unexpected, "has tensors the model does not use:"),
+        (mismatched, "has tensors of the wrong shape:"),
+    ):
+        keys = sorted(keys)
+        if keys:
+            more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+            return (
+                f"model.path={path!r}: the checkpoint {what} {', '.join(keys[:5])}{more}; give a complete checkpoint "
+                "of this architecture"
+            )
+    return None
 
 
 @contextmanager
@@ -175,26 +205,3 @@ def parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original
-
-
-def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """Split a Hugging Face causal LM into the decoder (ids → hidden states) and the output head."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, model.base_model_prefix)
-    return decoder, model.get_output_embeddings()
-
-
-def head_fn(model: nn.Module, head: nn.Module):
-    """The head as a function, with the logit scaling / soft-capping some architectures apply after it."""
-    cfg = model.config
-    scale = getattr(cfg, "logit_scale", None)  # Cohere
-    cap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3
-
-    def apply(hidden: torch.Tensor) -> torch.Tensor:
-        logits = head(hidden)
-        if scale is not None:
-            logits = logits * scale
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
-    return apply

@@ -12,8 +12,8 @@ from torchmetrics import Metric
 
 from lit_ppl.distributed import check_peers, control_group
 from lit_ppl.metric import NLLBreakdown, Perplexity
-from lit_ppl.models import ModelSpec, decoder_and_head, head_fn
-from lit_ppl.nll import chunked_nll
+from lit_ppl.models import ModelSpec, key_problem
+from lit_ppl.scorer import TokenScorer, check_scorer
 
 # Weights are loaded directly in the dtype a "*-true" precision computes in (a 70B checkpoint must not
 # pass through float32 first); mixed precisions keep float32 weights and autocast.
@@ -26,24 +26,21 @@ def _to_host(value: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[to
     return [v.detach().cpu().clone() for v in value]
 
 
-class TokenScorer(nn.Module):
-    """Per-token NLL of a causal LM's scored positions, with the logits chunked.
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly FSDP-sharded) tensor, sharing its memory."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
-    A module of its own (rather than calls on the LM's parts) so that FSDP's root hooks fire around it:
-    embeddings, final norm and output head live at the root of the sharded tree.
-    """
 
-    def __init__(self, lm: nn.Module, chunk_size: int) -> None:
-        super().__init__()
-        self.lm = lm
-        self.decoder, head = decoder_and_head(lm)
-        self.head = head_fn(lm, head)
-        self.chunk_size = chunk_size
+def unloaded_parameters(module: nn.Module) -> list[str]:
+    """Names of parameters still NaN on any rank (each rank checks its own shards; one gather)."""
+    import torch.distributed as dist
 
-    def forward(self, input_ids: torch.Tensor, score_index: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        hidden = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state  # (b, t, d)
-        scored = hidden.reshape(-1, hidden.shape[-1]).index_select(0, score_index)  # (n, d)
-        return chunked_nll(scored, targets, self.head, self.chunk_size)  # (n,)
+    names = [n for n, p in module.named_parameters() if bool(torch.isnan(_local(p)).any())]
+    if dist.is_available() and dist.is_initialized():
+        gathered: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, names)
+        names = sorted({n for part in gathered for n in part or []})
+    return names
 
 
 class PerplexityModule(L.LightningModule):
@@ -80,6 +77,7 @@ class PerplexityModule(L.LightningModule):
         self.breakdown: NLLBreakdown | None = None  # sized in setup(), once the corpus is known
         self.per_document: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, nll sum) per document
         self.result: dict[str, Any] = {}
+        self.scorer_check: dict[str, float] = {}  # the self-check of the scoring path (lit_ppl.scorer)
         self.tokens_seen = 0  # host-side count for tokens/s: from shapes, no device sync
         self.steps = 0
 
@@ -88,7 +86,7 @@ class PerplexityModule(L.LightningModule):
             return
         precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
         dtype = LOAD_DTYPE.get(precision, torch.float32)
-        if self.shard is not None and self.quantize is None and self.spec.safetensors_files():
+        if self.shard is not None and self.quantize is None and not self.spec.is_builtin:
             self._build_sharded(dtype)
             return
         lm = self.spec.build(dtype)
@@ -107,25 +105,43 @@ class PerplexityModule(L.LightningModule):
     def _build_sharded(self, dtype: torch.dtype) -> None:
         """FSDP without ever holding the whole model on a rank: meta parameters, shard, then load the shards.
 
-        Rank 0 reads the safetensors checkpoint and ``set_model_state_dict`` sends every rank its shard.
+        Rank 0 loads the checkpoint as ``from_pretrained`` does and checks that its tensors are exactly the
+        model's; ``set_model_state_dict`` then sends every rank its shard. Parameters start as NaN, so one that
+        no tensor reached could not give a number, and :func:`unloaded_parameters` proves none is left.
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        self.scorer = TokenScorer(self.spec.build_empty(dtype), self.chunk_size)
+        lm = self.spec.build_empty(dtype)
+        expected = set(lm.state_dict())
+        self.scorer = TokenScorer(lm, self.chunk_size)
         self.shard(self.scorer, self)
         buffers = dict(self.scorer.named_buffers())  # real values; to_empty would leave them uninitialised
         self.scorer.to_empty(device=self.device)
         with torch.no_grad():
             for name, buffer in self.scorer.named_buffers():
                 buffer.copy_(buffers[name])
-        full = self.spec.read_weights(dtype) if self.global_rank == 0 else {}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-        incompatible = set_model_state_dict(self.scorer.lm, full, options=options)
-        tied = {"lm_head.weight"} if getattr(self.scorer.lm.config, "tie_word_embeddings", False) else set()
-        missing = set(incompatible.missing_keys) - tied
+            for param in self.scorer.parameters():
+                _local(param).fill_(float("nan"))
+        full: dict[str, torch.Tensor] = {}
+        problem = None
+        if self.global_rank == 0:
+            try:
+                full = self.spec.full_state_dict(dtype)
+                problem = key_problem(self.spec.path, expected - set(full), set(full) - expected)
+            except ValueError as err:  # told to every rank below, so that none waits for a broadcast
+                problem = str(err)
+        problem = self.trainer.strategy.broadcast(problem)
+        if problem:
+            raise ValueError(problem)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+        set_model_state_dict(lm, full, options=options)
+        del full
+        missing = unloaded_parameters(self.scorer)
         if missing:
             raise ValueError(
-                f"model.path={self.spec.path!r}: the checkpoint lacks {sorted(missing)[:3]}... for sharded loading"
+                f"model.path={self.spec.path!r}: {len(missing)} parameters hold NaN after sharded loading "
+                f"({', '.join(missing[:5])}): the checkpoint holds NaN there, or no tensor reached them (a bug in "
+                "lit-ppl: please report it)"
             )
 
     def setup(self, stage: str) -> None:
@@ -142,6 +158,7 @@ class PerplexityModule(L.LightningModule):
         for metric in self.metrics().values():
             metric.set_dtype(torch.float64)
         self._control = control_group()
+        self.scorer_check = check_scorer(self.scorer, self.device)
         self._first_bad_step = torch.tensor(-1, device=self.device)
         self._t0 = time.perf_counter()
 
@@ -211,6 +228,7 @@ class PerplexityModule(L.LightningModule):
             "sync_seconds": sync_s,
             "rank_tokens": per_rank[:, 0].tolist(),
             "rank_steps": per_rank[:, 1].tolist(),
+            "scorer_check": self.scorer_check,
         }
         for k in ("tokens", "words", "bytes", "documents"):
             self.result[k] = round(self.result[k])

@@ -1,8 +1,9 @@
 """Weight quantization with torchao's ``quantize_``: configs, per-module policies, a report, rank consistency.
 
-A *plan* decides, for every ``nn.Linear`` and ``nn.Embedding`` of the model, which scheme it gets (``none``,
-``int8``, ``int8dq``, ``int4`` with a group size) or why it gets none; the plan is applied with ``quantize_``
-and a ``filter_fn`` per scheme, and the :class:`QuantReport` records all of it. Nothing is skipped silently:
+A *plan* decides, for every quantizable weight of the model (``nn.Linear``, ``nn.Embedding`` and fused expert
+weights: :mod:`lit_ppl.quant_targets`), which scheme it gets (``none``, ``int8``, ``int8dq``, ``int4`` with a group
+size) or why it gets none; the plan is applied with ``quantize_`` (a ``filter_fn`` per scheme for modules, an
+``FqnToConfig`` for expert parameters), and the :class:`QuantReport` records all of it. Nothing is skipped silently:
 a layer a scheme cannot take (``in_features`` not divisible by the group size) is listed with the reason.
 
 Tied weights (``tie_word_embeddings``: the output head and the input embeddings are one tensor) are quantized
@@ -21,11 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_ppl.quant_targets import ROLES, Target, find_targets, foreign_forward, to_plain_linear
+
 log = logging.getLogger(__name__)
 
 SCHEMES = ("none", "int8", "int8dq", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
-ROLES = ("attention", "mlp", "head", "embeddings", "linear")
 INT4_BACKENDS = ("auto", "tinygemm", "prototype", "intx")
 SOURCES = ("local", "rank0")
 
@@ -82,7 +84,18 @@ class QuantReport:
     weight_bytes_before: int = 0
     weight_bytes_after: int = 0
     quantized_params: list[str] = field(default_factory=list)  # names in lm.named_parameters()
+    full_precision_bytes: int = 0  # parameters left unquantized (norms, biases, skipped and excluded layers)
+    converted: dict[str, str] = field(default_factory=dict)  # modules made nn.Linear first: name -> former class
     consistency: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def quantized_modules(self) -> int:
+        return sum(m["config"] is not None for m in self.modules.values())
+
+    @property
+    def full_precision_fraction(self) -> float:
+        """Share of the original parameter bytes that stayed in full precision."""
+        return self.full_precision_bytes / self.weight_bytes_before if self.weight_bytes_before else 0.0
 
     @property
     def skipped(self) -> dict[str, str]:
@@ -96,8 +109,11 @@ class QuantReport:
             "backend": self.backend,
             "weight_bytes_before": self.weight_bytes_before,
             "weight_bytes_after": self.weight_bytes_after,
-            "quantized_modules": sum(m["config"] is not None for m in self.modules.values()),
+            "quantized_modules": self.quantized_modules,
+            "full_precision_bytes": self.full_precision_bytes,
+            "full_precision_fraction": self.full_precision_fraction,
             "skipped": self.skipped,
+            "converted": self.converted,
             "modules": self.modules,
             "consistency": self.consistency,
         }
@@ -123,40 +139,19 @@ def rules_from_cfg(cfg: dict[str, Any]) -> list[Rule]:
     return [*keep_head, Rule(scheme, role="linear", why=f"quant={name}")]
 
 
-def module_roles(lm: nn.Module) -> dict[str, set[str]]:
-    """Every ``nn.Linear``/``nn.Embedding`` by name, with its roles (a module may have several)."""
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    inner: dict[str, set[str]] = {}
-    for name, mod in lm.named_modules():
-        kind = type(mod).__name__.lower()
-        role = "attention" if "attention" in kind else "mlp" if ("mlp" in kind or "feedforward" in kind) else None
-        if role:  # everything below an attention/MLP block plays that block's role
-            for sub, _ in mod.named_modules():
-                inner.setdefault(f"{name}.{sub}".strip("."), set()).add(role)
-    out = {}
-    for name, mod in lm.named_modules():
-        if isinstance(mod, nn.Linear | nn.Embedding):
-            roles = set(inner.get(name, ()))
-            roles.add("embeddings" if isinstance(mod, nn.Embedding) else "linear")
-            if mod is head:
-                roles.add("head")
-            out[name] = roles
-    return out
-
-
 def plan(
     lm: nn.Module, rules: list[Rule], backend: str = "auto"
-) -> tuple[dict[str, tuple[Scheme, str | None]], dict[str, dict[str, Any]]]:
-    """Decide each module's scheme: ``({name: (scheme, int4 backend)}, {name: report entry})``."""
+) -> tuple[dict[str, tuple[Scheme, str | None]], dict[str, dict[str, Any]], dict[str, Target]]:
+    """Decide each target's scheme: ``({name: (scheme, int4 backend)}, {name: report entry}, targets)``."""
+    targets = find_targets(lm)
     decided: dict[str, tuple[Scheme, Rule | None]] = {}
-    for name, roles in module_roles(lm).items():
-        rule = next((r for r in rules if r.matches(name, roles)), None)
+    for name, target in targets.items():
+        rule = next((r for r in rules if r.matches(name, set(target.roles))), None)
         decided[name] = (rule.scheme if rule else NONE, rule)
-    modules = dict(lm.named_modules())
     owner: dict[int, str] = {}
     tied: dict[str, str] = {}  # second name -> first name holding the same weight
-    for name in decided:
-        key = id(modules[name].weight)
+    for name, target in targets.items():
+        key = id(target.weight(lm))
         if key in owner:
             tied[name] = owner[key]
         else:
@@ -172,24 +167,34 @@ def plan(
     apply_: dict[str, tuple[Scheme, str | None]] = {}
     report: dict[str, dict[str, Any]] = {}
     for name, (scheme, rule) in decided.items():
-        weight = modules[name].weight
+        target = targets[name]
+        weight = target.weight(lm)
         entry: dict[str, Any] = {"config": None, "rule": rule.describe() if rule else None}
+        if target.kind == "experts":
+            entry["kind"] = "experts"
         if name in tied:
             entry["tied_to"] = tied[name]
         if rule is None or scheme.kind == "none":
             entry["reason"] = "no rule matches" if rule is None else f"{rule.describe()} says none"
+            report[name] = entry
+            continue
+        module = lm.get_submodule(name) if target.kind != "experts" else None
+        if module is not None and foreign_forward(module):
+            raise ValueError(
+                f"{name} is a {type(module).__name__}, whose forward is not nn.Linear's, so a quantized weight may "
+                f"not run in it; keep it in full precision with a quant=policy rule {{match: '{name}', config: none}}"
+            )
+        embedding = target.kind == "embedding"
+        kernel = int4_backend(backend, weight.device, weight.dtype, embedding) if scheme.kind == "int4" else None
+        problem = shape_problem(scheme, kernel, weight)
+        if problem:
+            entry["requested"], entry["reason"] = scheme.label, problem
         else:
-            embedding = isinstance(modules[name], nn.Embedding)
-            kernel = int4_backend(backend, weight.device, weight.dtype, embedding) if scheme.kind == "int4" else None
-            problem = shape_problem(scheme, kernel, weight)
-            if problem:
-                entry["requested"], entry["reason"] = scheme.label, problem
-            else:
-                entry["config"] = scheme.label
-                if name not in tied:  # the tied twin is quantized through its first name
-                    apply_[name] = (scheme, kernel)
+            entry["config"] = scheme.label
+            if name not in tied:  # the tied twin is quantized through its first name
+                apply_[name] = (scheme, kernel)
         report[name] = entry
-    return apply_, report
+    return apply_, report, targets
 
 
 def int4_backend(requested: str, device: torch.device, dtype: torch.dtype, embedding: bool) -> str:
@@ -217,6 +222,8 @@ def shape_problem(scheme: Scheme, backend: str | None, weight: torch.Tensor) -> 
     """Why ``scheme`` cannot take this weight (``None`` if it can)."""
     if scheme.kind != "int4":
         return None
+    if weight.ndim == 3:
+        return "torchao's int4 configs take no 3D expert weights (IntxWeightOnlyConfig: 2-D only; pytorch/ao#3252)"
     out_features, in_features = weight.shape[0], weight.shape[-1]
     if in_features % scheme.group_size:
         return f"in_features {in_features} is not divisible by group_size {scheme.group_size}"
@@ -332,23 +339,33 @@ def broadcast_from_rank0(lm: nn.Module, names: list[str]) -> None:
 
 def quantize_model(lm: nn.Module, cfg: dict[str, Any]) -> QuantReport:
     """Apply the ``quant`` config ``cfg`` to ``lm`` in place and return the report."""
-    from torchao.quantization import quantize_
+    from torchao.quantization import FqnToConfig, quantize_
 
     source = cfg.get("source", "local")
     report = QuantReport(name=cfg.get("name", "none"), source=source)
     report.weight_bytes_before = sum(tensor_bytes(p) for _, p in lm.named_parameters())
-    todo, report.modules = plan(lm, rules_from_cfg(cfg), cfg.get("backend", "auto"))
-    if not todo and report.skipped:
-        first = next(iter(report.skipped.values()))
+    report.converted = to_plain_linear(lm)
+    todo, report.modules, targets = plan(lm, rules_from_cfg(cfg), cfg.get("backend", "auto"))
+    if not todo:
+        if report.skipped:
+            first = next(iter(report.skipped.values()))
+            raise ValueError(
+                f"quant={report.name} would quantize none of the {len(report.skipped)} layers it names ({first}); "
+                f"choose quant.group_size among {GROUP_SIZES} that divides the layers' in_features"
+            )
         raise ValueError(
-            f"quant={report.name} would quantize none of the {len(report.skipped)} layers it names ({first}); "
-            f"choose quant.group_size among {GROUP_SIZES} that divides the layers' in_features"
+            f"quant={report.name} quantizes none of {type(lm).__name__}'s {len(targets)} linear, embedding and "
+            "expert weights: no rule gives any of them a config other than none"
         )
-    modules = dict(lm.named_modules())
-    before = {n: tensor_bytes(modules[n].weight) for n in report.modules}
+    before = {n: tensor_bytes(t.weight(lm)) for n, t in targets.items()}
     twins = {n: e["tied_to"] for n, e in report.modules.items() if "tied_to" in e}
     rank, size = world()
     broadcast = source == "rank0" and size > 1
+    experts = {n for n in todo if targets[n].kind == "experts"}
+    if experts:
+        # torchao's tensors run in F.linear, not in the grouped-matmul kernels of transformers' default experts.
+        lm.set_experts_implementation("eager")
+        report.backend["experts"] = "transformers' eager experts loop (F.linear per expert)"
     for scheme, kernel in sorted(set(todo.values()), key=lambda sk: (sk[0].label, sk[1] or "")):
         names = {n for n, sk in todo.items() if sk == (scheme, kernel)}
         config, backend = torchao_config(scheme, kernel)
@@ -357,31 +374,42 @@ def quantize_model(lm: nn.Module, cfg: dict[str, Any]) -> QuantReport:
             continue  # quantized once, on rank 0, and received below
         seen: list[str] = []
 
-        def chosen(module: nn.Module, name: str, names: set[str] = names, seen: list[str] = seen) -> bool:
+        def chosen(module: nn.Module, name: str, names: set[str] = names - experts, seen: list[str] = seen) -> bool:
             if name in names:
                 seen.append(name)  # remembered so an error can name the module
                 return True
             return False
 
         try:
-            quantize_(lm, config, filter_fn=chosen)
+            if names - experts:
+                quantize_(lm, config, filter_fn=chosen)
+            if names & experts:  # 3D parameters, quantized by name
+                seen.append(", ".join(sorted(names & experts)))
+                quantize_(lm, FqnToConfig({n: config for n in sorted(names & experts)}), filter_fn=None)
         except Exception as err:
             raise ValueError(f"{backend} failed on {seen[-1] if seen else lm.__class__.__name__}: {err}") from err
     if broadcast:
-        broadcast_from_rank0(lm, [f"{n}.weight" for n in sorted(todo)])
+        broadcast_from_rank0(lm, [n if n in experts else f"{n}.weight" for n in sorted(todo)])
+    modules = dict(lm.named_modules())
     for second, first in twins.items():  # re-tie: the twin shares its first's quantized weight
         modules[second].weight = modules[first].weight
     for name, entry in report.modules.items():
-        entry["bytes_before"], entry["bytes_after"] = before[name], tensor_bytes(modules[name].weight)
+        entry["bytes_before"], entry["bytes_after"] = before[name], tensor_bytes(targets[name].weight(lm))
     report.weight_bytes_after = sum(tensor_bytes(p) for _, p in lm.named_parameters())
     quantized = {id(p) for p in lm.parameters() if hasattr(p, "__tensor_flatten__")}
     report.quantized_params = [n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) in quantized]
+    report.full_precision_bytes = sum(tensor_bytes(p) for p in lm.parameters() if id(p) not in quantized)
     report.consistency = check_consistency(lm, [n for n, p in lm.named_parameters() if id(p) in quantized])
     skipped = report.skipped
     if skipped:
         log.warning(
             "quantization skipped %d modules: %s", len(skipped), "; ".join(f"{n}: {r}" for n, r in skipped.items())
         )
+    log.info(
+        "quantized %d weights; %.1f%% of the weight bytes stay in full precision",
+        report.quantized_modules,
+        100 * report.full_precision_fraction,
+    )
     return report
 
 

@@ -69,6 +69,7 @@ def build_results(stats: dict[str, Any], run: dict[str, Any], config: dict[str, 
         "sync_seconds": stats["sync_seconds"],
         "rank_tokens": stats["rank_tokens"],
         "rank_steps": stats["rank_steps"],
+        "scorer_check": stats.get("scorer_check"),
         "nll_by_position": stats.get("nll_by_position"),
         "config": config,
         "versions": library_versions(),
@@ -126,6 +127,15 @@ def print_table(results: dict[str, Any]) -> None:
         ),
         ("seconds · tokens/s", f"{results['seconds']:.2f} · {results['tokens_per_s'] or 0:,.0f}"),
     ]
+    quant = results.get("quant")
+    if quant:
+        rows.append(
+            (
+                f"quant={quant['name']}",
+                f"{quant['quantized_modules']} weights quantized · "
+                f"{100 * quant['full_precision_fraction']:.1f}% of weight bytes in full precision",
+            )
+        )
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)

@@ -39,6 +39,7 @@ from lit_ppl.module import PerplexityModule
 from lit_ppl.progress import TokensPerSecondBar
 from lit_ppl.results import build_results, print_table, write_json_atomic, write_per_document
 from lit_ppl.resume import EXIT_PREEMPTED, Preempted, ResumeCallback, install_signal_handlers, requeue_if_slurm
+from lit_ppl.scorer import ScorerMismatchError
 
 # Errors that mean "the input was wrong" or "a peer failed": reported as one line, without a traceback.
 USER_ERRORS = (
@@ -49,6 +50,7 @@ USER_ERRORS = (
     FloatingPointError,
     RankFailure,
     quantize.RankMismatchError,  # ranks quantized differently: the message names the modules
+    ScorerMismatchError,  # an architecture whose logits lit-ppl's head path does not reproduce
     MisconfigurationException,  # Lightning's word for a bad precision, accelerator or device count
 )
 
@@ -155,6 +157,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         logger=False,
         callbacks=callbacks,
         use_distributed_sampler=False,  # ours is exact: Lightning's repeats samples to even out ranks
+        # no_grad, not inference_mode: torchao's quantized expert weights cannot be indexed under inference
+        # mode ("Cannot set version_counter for inference tensor"); the numbers are the same either way.
+        inference_mode=False,
         enable_checkpointing=False,
         enable_model_summary=False,
     )

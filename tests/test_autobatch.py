@@ -7,7 +7,7 @@ import torch
 
 from lit_ppl.autobatch import auto_batch_size, largest_fitting, peak_memory
 from lit_ppl.models import ModelSpec
-from lit_ppl.module import TokenScorer
+from lit_ppl.scorer import TokenScorer
 
 SEQ = 256
 

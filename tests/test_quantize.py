@@ -88,6 +88,24 @@ def test_group_sizes_and_backends_fail_clearly():
         quantize.build({"name": "policy", "rules": [{"role": "ffn", "config": "int8"}]})
 
 
+def test_a_config_that_quantizes_nothing_is_an_error():
+    with pytest.raises(ValueError, match=r"quantizes none of LlamaForCausalLM's 37 linear, embedding and expert"):
+        quantize.build({"name": "policy", "rules": [{"role": "linear", "config": "none"}]})(lm())
+
+
+def test_a_linear_subclass_with_its_own_forward_is_refused():
+    """Its forward may not call F.linear (Falcon's did not): a quantized weight there would fail or mislead."""
+
+    class Doubled(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    model = lm()
+    model.model.layers[0].mlp.up_proj.__class__ = Doubled
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj is a Doubled, whose forward is not"):
+        quantize.build({"name": "int8"})(model)
+
+
 def test_int4_bf16_on_cpu_uses_the_prototype_backend():
     model = lm().to(torch.bfloat16)
     report = quantize.build({"name": "int4", "group_size": 64})(model)

@@ -1,0 +1,184 @@
+"""Every architecture family people evaluate, against a plain Hugging Face forward of the same weights.
+
+Tiny random-init models (:mod:`zoo`) of each family are scored by lit-ppl at one process, under ``fsdp`` on 2
+gloo ranks (the meta-device sharded loader) and with ``quant=int8``; the reference is the model's own
+``forward(...).logits`` in float64, one window per document.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import zoo
+from conftest import STORIES, TINYSTORIES, require_shared, run_entry
+
+from lit_ppl import scorer
+from lit_ppl.quant_targets import to_plain_linear
+from lit_ppl.scorer import ScorerMismatchError
+from lit_ppl.validate import evaluate
+
+SEQ_LEN = 128
+REL = 1e-6  # float32 lit-ppl vs float64 reference: measured ≤ 1e-7 on every architecture
+
+
+@pytest.fixture(scope="module")
+def documents() -> list[str]:
+    """Six short real documents, each within one window of SEQ_LEN tokens (of different lengths: padding)."""
+    require_shared()
+    texts = [t.strip() for t in TINYSTORIES.read_text(encoding="utf-8").split("<|endoftext|>") if t.strip()]
+    return [t[:120] for t in texts] + [texts[0][200:260]]
+
+
+@pytest.fixture(scope="module")
+def zoo_root(tmp_path_factory, documents) -> Path:
+    root = tmp_path_factory.mktemp("zoo")
+    zoo.write_documents(root / "docs.jsonl", documents)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(zoo_root, documents):
+    """``arch -> (model dir, reference PPL, tokens)``, built and scored once per module."""
+    out = {}
+
+    def get(arch: str):
+        if arch not in out:
+            path = zoo.build(arch, zoo_root, STORIES)
+            nll, tokens = zoo.reference_nll(path, documents, SEQ_LEN)
+            out[arch] = (path, math.exp(nll / tokens), tokens)
+        return out[arch]
+
+    return get
+
+
+def overrides(model: Path, docs: Path, *extra: str) -> list[str]:
+    return [
+        "model=hf",
+        f"model.path={model}",
+        "data=text",
+        f"data.path={docs}",
+        f"eval.seq_len={SEQ_LEN}",
+        "report.plots=false",
+        "trainer.accelerator=cpu",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("arch", zoo.ARCHITECTURES)
+def test_one_process_matches_the_model_forward(arch, reference, zoo_root, compose):
+    path, ppl, tokens = reference(arch)
+    r = evaluate(compose(*overrides(path, zoo_root / "docs.jsonl")))
+    assert r["tokens"] == tokens
+    assert r["ppl"] == pytest.approx(ppl, rel=REL), arch
+    assert r["scorer_check"]["max_abs_logprob_diff"] <= r["scorer_check"]["tolerance"]
+
+
+@pytest.mark.parametrize("arch", zoo.ARCHITECTURES)
+def test_int8_quantizes_every_architecture(arch, reference, zoo_root, compose):
+    path, ppl, tokens = reference(arch)
+    r = evaluate(compose(*overrides(path, zoo_root / "docs.jsonl", "quant=int8")))
+    q = r["quant"]
+    assert q["quantized_modules"] > 0 and q["weight_bytes_after"] < q["weight_bytes_before"]
+    assert r["tokens"] == tokens and math.isfinite(r["ppl"])
+    assert r["ppl"] != ppl and r["ppl"] == pytest.approx(ppl, rel=0.02), "int8 should move the PPL a little"
+    # Every linear layer but the head is quantized: only the head and the embeddings (no rule names them) stay.
+    kept = {n: m["reason"] for n, m in q["modules"].items() if m["config"] is None}
+    assert sum("head kept" in why for why in kept.values()) >= 1, kept
+    unmatched = [n for n, why in kept.items() if why == "no rule matches"]
+    assert all(any(k in n for k in ("embed", "wte", "wpe")) for n in unmatched), kept
+    assert set(kept.values()) <= {"no rule matches", "output head kept (quant.head=false) says none"}, kept
+    assert 0 < q["full_precision_fraction"] < 0.6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", zoo.ARCHITECTURES)
+def test_fsdp_two_ranks_matches_the_model_forward(arch, reference, zoo_root, tmp_path):
+    path, ppl, tokens = reference(arch)
+    proc, r = run_entry(overrides(path, zoo_root / "docs.jsonl", "strategy=fsdp", "trainer.devices=2"), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert r["tokens"] == tokens and r["world_size"] == 2
+    assert r["ppl"] == pytest.approx(ppl, rel=REL), arch
+
+
+def test_moe_experts_are_quantized_by_name(reference, zoo_root, compose):
+    """Mixtral keeps its experts as fused 3D parameters: int8 quantizes them; int4 cannot and says so."""
+    path, _, _ = reference("mixtral")
+    docs = zoo_root / "docs.jsonl"
+    q8 = evaluate(compose(*overrides(path, docs, "quant=int8")))["quant"]
+    experts = {n: m for n, m in q8["modules"].items() if m.get("kind") == "experts"}
+    assert len(experts) == 2 * zoo.LAYERS and all(m["config"] == "int8" for m in experts.values())
+    assert "experts" in q8["backend"]
+    q4 = evaluate(compose(*overrides(path, docs, "quant=int4", "quant.group_size=32")))["quant"]
+    skipped = {n: why for n, why in q4["skipped"].items() if "experts" in n}
+    assert len(skipped) == 2 * zoo.LAYERS and all("3D expert weights" in why for why in skipped.values())
+    # The experts hold most of the weights: the report says plainly how much stayed in full precision.
+    assert q4["full_precision_fraction"] > 0.6 > q8["full_precision_fraction"]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "falcon"])
+def test_projections_become_plain_linear_exactly(arch, reference):
+    """GPT-2's Conv1D and Falcon's FalconLinear are replaced by nn.Linear computing the same function."""
+    from transformers import AutoModelForCausalLM
+
+    path, _, _ = reference(arch)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    ids = torch.randint(0, zoo.VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        converted = to_plain_linear(model)
+        after = model(input_ids=ids).logits
+    assert converted and set(converted.values()) == {"Conv1D" if arch == "gpt2" else "FalconLinear"}
+    assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n in converted)
+    torch.testing.assert_close(after, before, rtol=1e-12, atol=1e-12)
+
+
+def test_a_head_transform_lit_ppl_does_not_know_is_refused(reference, zoo_root, compose, monkeypatch):
+    """Without Granite's logits_scaling the scorer disagrees with the model: the run stops, naming the class."""
+    path, _, _ = reference("granite")
+    monkeypatch.delitem(scorer.LOGIT_SCALES, "granite")
+    with pytest.raises(ScorerMismatchError, match=r"GraniteForCausalLM .*differs from the model's own forward"):
+        evaluate(compose(*overrides(path, zoo_root / "docs.jsonl")))
+
+
+def broken_checkpoint(src: Path, dst: Path, drop: str | None = None, add: str | None = None) -> Path:
+    """A copy of ``src`` whose safetensors file lacks the tensor ``drop`` or has an extra tensor ``add``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    if drop:
+        del tensors[drop]
+    if add:
+        tensors[add] = torch.zeros(3)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_incomplete_checkpoint_is_refused_on_one_process(reference, zoo_root, compose, tmp_path):
+    path, _, _ = reference("gpt_neox")
+    lacking = broken_checkpoint(path, tmp_path / "lacking", drop="gpt_neox.layers.1.mlp.dense_h_to_4h.weight")
+    with pytest.raises(ValueError, match=r"lacks gpt_neox\.layers\.1\.mlp\.dense_h_to_4h\.weight"):
+        evaluate(compose(*overrides(lacking, zoo_root / "docs.jsonl")))
+    extra = broken_checkpoint(path, tmp_path / "extra", add="gpt_neox.layers.0.surprise")
+    with pytest.raises(ValueError, match=r"does not use: gpt_neox\.layers\.0\.surprise"):
+        evaluate(compose(*overrides(extra, zoo_root / "docs.jsonl")))
+
+
+@pytest.mark.slow
+def test_incomplete_checkpoint_is_refused_by_every_fsdp_rank(reference, zoo_root, tmp_path):
+    """Rank 0 reads the checkpoint; the other rank learns of the problem instead of waiting for its shard.
+
+    The checkpoint's ``embed_out.weight`` is the model's ``lm_head.weight`` (transformers renames it while loading):
+    the error names the model's key.
+    """
+    path, _, _ = reference("gpt_neox")
+    lacking = broken_checkpoint(path, tmp_path / "lacking", drop="embed_out.weight")
+    args = overrides(lacking, zoo_root / "docs.jsonl", "strategy=fsdp", "trainer.devices=2", "distributed.timeout_s=60")
+    proc, r = run_entry(args, tmp_path / "run", timeout=120)
+    assert proc.returncode == 1 and r is None
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("lit-ppl: error:")]
+    assert errors and all("lacks lm_head.weight" in line for line in errors), proc.stderr[-2000:]
