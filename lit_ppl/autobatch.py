@@ -141,7 +141,7 @@ def scorer_batch_runner(scorer: nn.Module, seq_len: int, context: Callable[[], A
     def run(b: int) -> None:
         input_ids = torch.zeros(b, seq_len, dtype=torch.long, device=device)
         index = torch.arange(b * seq_len, device=device)
-        with torch.inference_mode(), context() if context is not None else _null():
+        with torch.no_grad(), context() if context is not None else _null():  # as the Trainer runs (validate.py)
             scorer(input_ids, index, torch.zeros_like(index))
 
     return run

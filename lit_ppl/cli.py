@@ -47,7 +47,14 @@ SUBCOMMANDS = ("validate",)
 # all ranks of one run agree on it even when they start in different seconds.
 OUTPUT_DIR_ENV = "LIT_PPL_OUTPUT_DIR"
 # Trainer arguments that evaluate() sets itself: a value given for them would be ignored or would clash.
-OWNED_TRAINER_ARGS = ("logger", "callbacks", "use_distributed_sampler", "enable_checkpointing", "enable_model_summary")
+OWNED_TRAINER_ARGS = (
+    "logger",
+    "callbacks",
+    "use_distributed_sampler",
+    "enable_checkpointing",
+    "enable_model_summary",
+    "inference_mode",
+)
 # Keys of conf/validate.yaml with a CLI option of their own (a group above, or a Trainer argument).
 MAPPED_KEYS = ("defaults", "hydra", "precision", "seed", "output_dir")
 PLAIN_TYPES = {bool: bool, int: int, float: float, str: str}
@@ -62,12 +69,14 @@ class EvalOptions:
         seq_len: most input tokens per window.
         stride: ``sliding`` mode's stride.
         chunk_size: scored positions per output-head chunk (bounds the logits memory).
+        deterministic: bit-identical results at any world size (whole batches per rank, exact sums).
     """
 
     mode: Literal["rolling", "sliding", "block"] = "rolling"
     seq_len: int | None = None
     stride: int | None = None
     chunk_size: int | None = None
+    deterministic: bool | None = None
 
 
 @dataclass
@@ -117,7 +126,11 @@ def _root_defaults() -> dict[str, Any]:
 
 
 # Keys whose YAML default does not show every type they take.
-OVERRIDE_TYPES: dict[str, Any] = {"batch_size": int | Literal["auto"]}
+OVERRIDE_TYPES: dict[str, Any] = {
+    "batch_size": int | Literal["auto"],
+    "distributed.balance": Literal["tokens", "weights", "measured"],
+    "distributed.weights": list[float] | None,
+}
 
 
 def _plain_keys(defaults: dict[str, Any]) -> dict[str, Any]:

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
+from lit_ppl.exact import SumStates
 from lit_ppl.models import ModelSpec
 from lit_ppl.module import LOAD_DTYPE, PerplexityModule
 from lit_ppl.quantize import build as build_quantize
@@ -101,16 +101,16 @@ def _mean_unc(total: float, total2: float, n: float) -> tuple[float, float]:
     return mean, math.sqrt(max(total2 / n - mean * mean, 0.0) / max(n - 1, 1.0))
 
 
-class KLDivergence(Metric):
+class KLDivergence(SumStates):
     """llama.cpp's ``--kl-divergence`` statistics over all tokens of all ranks (float64 states)."""
 
     is_differentiable = False
     full_state_update = False
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, exact: bool = False, **kwargs: Any) -> None:
+        super().__init__(exact=exact, **kwargs)
         for name in SUMS:
-            self.add_state(f"sum_{name}", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+            self.add_sum_state(f"sum_{name}")
         for name in ("same_top", "count"):
             self.add_state(name, default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
         # Every token's KLD and Δp, concatenated across ranks at compute(): exact percentiles.
@@ -133,8 +133,7 @@ class KLDivergence(Metric):
             ("p_diff2", p_diff**2),
             ("p_diff4", p_diff**4),
         ):
-            state = getattr(self, f"sum_{name}")
-            state += value.sum().to(state.dtype)
+            self.add_to(f"sum_{name}", value)
         self.same_top += same_top.sum()
         self.count += nll.numel()
         self.kld_values.append(kld)
@@ -145,7 +144,8 @@ class KLDivergence(Metric):
         n = float(self.count)
         if n == 0:
             raise ValueError("no tokens were compared")
-        s = {name: float(getattr(self, f"sum_{name}")) for name in SUMS}
+        self.check_range()
+        s = {name: float(self.sum_of(f"sum_{name}")) for name in SUMS}
         ln_q, ln_q_unc = _mean_unc(s["nll"], s["nll2"], n)
         ln_b, ln_b_unc = _mean_unc(s["nll_base"], s["nll_base2"], n)
         cov = (s["nll_nll_base"] / n - ln_q * ln_b) / max(n - 1, 1.0)
@@ -225,7 +225,7 @@ class CompareModule(PerplexityModule):
         self.ref_spec, self.ref_quantize, self.ref_dtype = reference, reference_quantize, reference_dtype
         self.reference: CompareScorer | None = None
         self.reference_report: Any = None
-        self.kl = KLDivergence()
+        self.kl = KLDivergence(exact=self.deterministic)
         self.compare_result: dict[str, Any] = {}
 
     def configure_model(self) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lit_ppl.balance import given_weights, measured_weights, probe_tokens_per_s
 from lit_ppl.sampler import PAD, ExactBatchSampler
 from lit_ppl.tokenizer import Tokenizer
 from lit_ppl.windows import Windows, build_windows, doc_offsets
@@ -253,6 +254,9 @@ class PerplexityDataModule(L.LightningDataModule):
         num_workers: DataLoader workers (batches are cheap to build; 0 is usually right).
         limits: the model's ``(vocab_size, max_positions)``, checked against the data and ``seq_len``.
         autobatch: options of :func:`lit_ppl.autobatch.resolve` for ``batch_size="auto"``.
+        deterministic: batches formed independently of the world size, whole batches per rank (:mod:`lit_ppl.sampler`).
+        balance: ``tokens``, ``weights`` or ``measured`` (:mod:`lit_ppl.balance`).
+        weights: ``balance=weights``: relative speed per node or per rank.
     """
 
     def __init__(
@@ -266,8 +270,15 @@ class PerplexityDataModule(L.LightningDataModule):
         num_workers: int = 0,
         limits: tuple[int, int | None] | None = None,
         autobatch: dict[str, Any] | None = None,
+        deterministic: bool = False,
+        balance: str = "tokens",
+        weights: list[float] | None = None,
     ) -> None:
         super().__init__()
+        self.deterministic, self.balance, self.weights = deterministic, balance, weights
+        # Resolved in val_dataloader (or restored by a resume, so that the plan is the one the progress belongs to).
+        self.rank_weights: list[float] | None = None
+        self.measured_tokens_per_s: list[float] | None = None
         if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size={batch_size!r} must be a positive integer or auto")
         self.limits, self.autobatch = limits, autobatch or {}
@@ -305,13 +316,32 @@ class PerplexityDataModule(L.LightningDataModule):
 
     def batch_sampler(self, rank: int, world_size: int, skip: int = 0) -> ExactBatchSampler:
         assert self.windows is not None, "call setup() first"
-        return ExactBatchSampler(self.windows.lengths, rank, world_size, self.batch_size, skip)
+        return ExactBatchSampler(
+            self.windows.lengths, rank, world_size, self.batch_size, skip, self.rank_weights, self.deterministic
+        )
+
+    def resolve_weights(self) -> list[float] | None:
+        """Every rank's relative speed under ``balance`` (``None``: all alike); the model is built by now."""
+        if self.balance == "tokens":
+            return None
+        if self.balance == "weights":
+            return given_weights(self.weights or [], self.trainer.world_size, self.trainer.num_nodes)
+        tokens_per_s = probe_tokens_per_s(
+            self.trainer.lightning_module.scorer,
+            self.batch_size,
+            self.seq_len,
+            self.trainer.precision_plugin.val_step_context,
+        )
+        self.measured_tokens_per_s, weights = measured_weights(tokens_per_s)
+        return weights
 
     def val_dataloader(self) -> DataLoader:
         if self.batch_size == "auto":  # the model is built by now: probe it
             from lit_ppl.autobatch import resolve
 
             self.batch_size = resolve(self.trainer, self.seq_len, **self.autobatch)
+        if self.rank_weights is None and self.trainer is not None:
+            self.rank_weights = self.resolve_weights()
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         return DataLoader(
             WindowIds(len(self.windows)),

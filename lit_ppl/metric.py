@@ -11,7 +11,8 @@ import math
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
+
+from lit_ppl.exact import SumStates
 
 # Two-sided 95% quantile of the standard normal: the interval is PPL ± 1.96 standard errors.
 Z95 = 1.959963984540054
@@ -20,16 +21,21 @@ SUM_STATES = ("nll_sum", "nll_sq_sum")
 COUNT_STATES = ("tokens", "words", "bytes", "documents", "nonfinite")
 
 
-def _perplexity_update(nll: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Reduce per-token NLL to ``(Σ nll, Σ nll², #tokens, #non-finite)``; sums in float64.
+def _finite(nll: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(nll with non-finite values zeroed, #finite, #non-finite)``, flat and in float64.
 
     Non-finite values are excluded from the sums and counted instead, so that the caller can name the batch
     rather than report a silent ``nan``.
     """
     nll = nll.detach().reshape(-1).to(torch.float64)
     finite = torch.isfinite(nll)
-    clean = torch.where(finite, nll, torch.zeros_like(nll))
-    return clean.sum(), (clean * clean).sum(), finite.sum(), (~finite).sum()
+    return torch.where(finite, nll, torch.zeros_like(nll)), finite.sum(), (~finite).sum()
+
+
+def _perplexity_update(nll: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Reduce per-token NLL to ``(Σ nll, Σ nll², #tokens, #non-finite)``; sums in float64."""
+    clean, tokens, nonfinite = _finite(nll)
+    return clean.sum(), (clean * clean).sum(), tokens, nonfinite
 
 
 def _perplexity_compute(
@@ -85,7 +91,7 @@ def perplexity(nll: Tensor, words: int = 0, bytes_: int = 0, documents: int = 0)
     return _perplexity_compute(nll_sum, nll_sq_sum, tokens, as_t(words), as_t(bytes_), as_t(documents))
 
 
-class Perplexity(Metric):
+class Perplexity(SumStates):
     """Exact, token-weighted perplexity accumulated in float64 across batches and ranks.
 
     ``update`` takes the per-token NLL of the scored tokens of one batch and the word / byte / document
@@ -95,7 +101,8 @@ class Perplexity(Metric):
 
     Lightning's ``*-true`` precision plugins call ``module.to(dtype)``, which casts torchmetrics states;
     call ``set_dtype(torch.float64)`` after the precision conversion (the LightningModule does) —
-    ``compute`` refuses anything else.
+    ``compute`` refuses anything else. With ``exact=True`` (deterministic mode) the sums are exact fixed-point
+    integers (:mod:`lit_ppl.exact`): the same in any order, on any number of ranks.
 
     Examples:
         >>> import torch
@@ -110,21 +117,19 @@ class Perplexity(Metric):
     higher_is_better = False
     full_state_update = False
 
-    nll_sum: Tensor
-    nll_sq_sum: Tensor
     tokens: Tensor
     words: Tensor
     bytes: Tensor
     documents: Tensor
     nonfinite: Tensor
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, exact: bool = False, **kwargs) -> None:
         kwargs.setdefault("dist_sync_on_step", False)
         if kwargs["dist_sync_on_step"]:
             raise ValueError("Perplexity syncs once at compute(); dist_sync_on_step=True is not supported")
-        super().__init__(**kwargs)
+        super().__init__(exact=exact, **kwargs)
         for name in SUM_STATES:
-            self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+            self.add_sum_state(name)
         for name in COUNT_STATES:
             self.add_state(name, default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
 
@@ -136,9 +141,9 @@ class Perplexity(Metric):
         documents: Tensor | int = 0,
     ) -> None:
         """Add one batch: per-token NLL of its scored tokens and counts of the documents it starts."""
-        nll_sum, nll_sq_sum, tokens, nonfinite = _perplexity_update(nll)
-        self.nll_sum += nll_sum.to(self.nll_sum.dtype)
-        self.nll_sq_sum += nll_sq_sum.to(self.nll_sq_sum.dtype)
+        clean, tokens, nonfinite = _finite(nll)
+        self.add_to("nll_sum", clean)
+        self.add_to("nll_sq_sum", clean * clean)
         self.tokens += tokens
         self.nonfinite += nonfinite
         self.words += words
@@ -147,18 +152,20 @@ class Perplexity(Metric):
 
     def compute(self) -> dict[str, Tensor]:
         """Return the statistics over everything seen on every rank (float64)."""
-        if self.nll_sum.dtype != torch.float64:
+        if not self.exact and self.nll_sum.dtype != torch.float64:
             raise RuntimeError(
                 f"Perplexity states are {self.nll_sum.dtype}, expected torch.float64: something cast the "
                 "metric after set_dtype(torch.float64) (a precision plugin calling module.to(dtype)?)"
             )
-        out = _perplexity_compute(self.nll_sum, self.nll_sq_sum, self.tokens, self.words, self.bytes, self.documents)
+        self.check_range()
+        sums = [self.sum_of(name) for name in SUM_STATES]
+        out = _perplexity_compute(*sums, self.tokens, self.words, self.bytes, self.documents)
         # Synced like the rest, so every rank sees the same count and can stop together.
         out["nonfinite"] = self.nonfinite.clone()
         return out
 
 
-class NLLBreakdown(Metric):
+class NLLBreakdown(SumStates):
     """Where the loss goes: NLL sums per document and per position in the window (float64, summed over ranks).
 
     Per position it keeps Σ nll, Σ nll² and the count, so a plot can show the mean NLL by context length with
@@ -175,22 +182,22 @@ class NLLBreakdown(Metric):
     is_differentiable = False
     full_state_update = False
 
-    def __init__(self, num_documents: int, num_positions: int, **kwargs) -> None:
-        super().__init__(**kwargs)
-        for name, size in (("doc_nll_sum", num_documents), ("doc_tokens", num_documents)):
-            self.add_state(name, default=torch.zeros(size, dtype=torch.float64), dist_reduce_fx="sum")
-        for name in ("pos_sum", "pos_sum_sq", "pos_count"):
-            self.add_state(name, default=torch.zeros(num_positions, dtype=torch.float64), dist_reduce_fx="sum")
+    def __init__(self, num_documents: int, num_positions: int, exact: bool = False, **kwargs) -> None:
+        super().__init__(exact=exact, **kwargs)
+        self.parts = ("doc_nll_sum", "doc_tokens", "pos_sum", "pos_sum_sq", "pos_count")
+        for name in self.parts:
+            self.add_sum_state(name, num_documents if name.startswith("doc") else num_positions)
 
     def update(self, nll: Tensor, doc_ids: Tensor, positions: Tensor) -> None:
         """Add the per-token ``nll`` of tokens in documents ``doc_ids`` at window ``positions``."""
         nll = torch.nan_to_num(nll.detach().to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0)
         ones = torch.ones_like(nll)
-        self.doc_nll_sum.index_add_(0, doc_ids, nll)
-        self.doc_tokens.index_add_(0, doc_ids, ones)
-        self.pos_sum.index_add_(0, positions, nll)
-        self.pos_sum_sq.index_add_(0, positions, nll * nll)
-        self.pos_count.index_add_(0, positions, ones)
+        self.add_to("doc_nll_sum", nll, doc_ids)
+        self.add_to("doc_tokens", ones, doc_ids)
+        self.add_to("pos_sum", nll, positions)
+        self.add_to("pos_sum_sq", nll * nll, positions)
+        self.add_to("pos_count", ones, positions)
 
     def compute(self) -> dict[str, Tensor]:
-        return {name: getattr(self, name).clone() for name in self._defaults}
+        self.check_range()
+        return {name: self.sum_of(name).clone() for name in self.parts}

@@ -56,6 +56,7 @@ class PerplexityModule(L.LightningModule):
             whose hooks cannot handle torchao's quantized tensors.
         timeout_s: how long the final synchronisation waits for every rank before naming the missing ones.
         compile_decoder: ``torch.compile`` the decoder (:mod:`lit_ppl.compiling`).
+        deterministic: accumulate in exact fixed-point sums (:mod:`lit_ppl.exact`), the same at any world size.
     """
 
     def __init__(
@@ -66,14 +67,16 @@ class PerplexityModule(L.LightningModule):
         quantize: Any = None,
         timeout_s: float = 300.0,
         compile_decoder: bool = False,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
+        self.deterministic = deterministic
         self.compile_decoder = compile_decoder
         self.spec, self.chunk_size, self.shard, self.quantize = model, chunk_size, shard, quantize
         self.timeout_s = timeout_s
         self.quant_report: Any = None
         self.scorer: TokenScorer | None = None
-        self.metric = Perplexity()
+        self.metric = Perplexity(exact=deterministic)
         self.breakdown: NLLBreakdown | None = None  # sized in setup(), once the corpus is known
         self.per_document: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, nll sum) per document
         self.result: dict[str, Any] = {}
@@ -147,7 +150,7 @@ class PerplexityModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         dm = self.trainer.datamodule
         if self.breakdown is None and dm is not None and getattr(dm, "corpus", None) is not None:
-            self.breakdown = NLLBreakdown(len(dm.corpus.doc_lengths), dm.seq_len)
+            self.breakdown = NLLBreakdown(len(dm.corpus.doc_lengths), dm.seq_len, exact=self.deterministic)
 
     def metrics(self) -> dict[str, Metric]:
         """Every torchmetrics state of the module: what syncs across ranks and what a resume restores."""

@@ -98,7 +98,13 @@ class ResumeCallback(Callback):
     def _save(self, trainer: L.Trainer, module: L.LightningModule, step: int) -> None:
         rank = trainer.global_rank
         self.dir.mkdir(parents=True, exist_ok=True)
-        state = {"fingerprint": self.fp, "world_size": trainer.world_size, "step": step, **module.progress_state()}
+        state = {
+            "fingerprint": self.fp,
+            "world_size": trainer.world_size,
+            "step": step,
+            "rank_weights": trainer.datamodule.rank_weights,  # a measured balance is not measured again
+            **module.progress_state(),
+        }
         path = self.dir / f"rank{rank}-step{step}.pt"
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
@@ -134,7 +140,7 @@ class ResumeCallback(Callback):
                 f"{state['world_size']} differ); use another output_dir or delete {self.dir} to start over"
             )
         self.start_step, self._restored = step, state
-        dm.skip_batches = step
+        dm.skip_batches, dm.rank_weights = step, state.get("rank_weights")
         if trainer.is_global_zero:
             print(f"lit-ppl: resuming from step {step} (progress in {self.dir})", file=sys.stderr)
 

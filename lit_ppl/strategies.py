@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Str
 from torch import nn
 
 STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
+DEFAULT_THREADS = torch.get_num_threads()  # at import: one per core unless OMP_NUM_THREADS says otherwise
 Shard = Callable[[nn.Module, L.LightningModule], None]
 
 
@@ -86,18 +87,43 @@ def check_devices(accelerator: str, devices: int) -> None:
         )
 
 
-def set_cpu_threads(accelerator: str, devices: int) -> None:
+def set_cpu_threads(accelerator: str, devices: int, deterministic: bool = False) -> None:
     """On CPU, split the cores between the node's ranks unless ``OMP_NUM_THREADS`` says otherwise.
 
     Every process defaults to one thread per core: two ranks on two cores then run four threads and small
-    matmuls slow down several-fold (measured: 37 µs → 290 µs).
+    matmuls slow down several-fold (measured: 37 µs → 290 µs). In deterministic mode every rank runs one thread
+    whatever the world size: a CPU matmul's result can depend on its thread count (measured: one 5 × 77-token
+    batch of stories260K differs by up to 5.7e-6 in NLL between 1 and 2 threads).
     """
-    if (
-        devices > 1
-        and "OMP_NUM_THREADS" not in os.environ
-        and (accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()))
-    ):
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices))
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if not on_cpu or "OMP_NUM_THREADS" in os.environ:
+        return
+    if deterministic:
+        torch.set_num_threads(1)
+    else:  # PyTorch's own default on one rank (an earlier run in this process may have changed it)
+        torch.set_num_threads(max(1, DEFAULT_THREADS // devices))
+
+
+def check_deterministic(batch_size: int | str, compile_decoder: bool) -> None:
+    """What deterministic mode cannot promise the same bits for, refused before anything loads."""
+    if batch_size == "auto":
+        raise ValueError(
+            "batch_size=auto with eval.deterministic=true: the probed size can differ between machines and world "
+            "sizes, and a window's batch decides its bits; give a number"
+        )
+    if compile_decoder:
+        raise ValueError(
+            "compile=true with eval.deterministic=true: the kernels torch.compile generates for a batch shape depend "
+            "on the shapes a rank compiled before; use compile=false"
+        )
+
+
+def use_deterministic_kernels(enabled: bool) -> None:
+    """Deterministic mode: PyTorch's deterministic kernels (an op without one raises, naming itself) and cuBLAS's
+    fixed-size workspace (its reductions otherwise depend on the workspace split)."""
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled)
 
 
 def cluster_plugins() -> list:

@@ -32,7 +32,7 @@ from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
-from lit_ppl import compare, quantize, strategies
+from lit_ppl import balance, compare, quantize, strategies
 from lit_ppl.data import PerplexityDataModule
 from lit_ppl.distributed import RankFailure, first_line, rank
 from lit_ppl.module import PerplexityModule
@@ -110,11 +110,23 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     check_targets(cfg)
     check_output_dir(cfg.output_dir)
     L.seed_everything(cfg.seed, verbose=False)
+    deterministic = bool(cfg.eval.deterministic)
+    devices, num_nodes = int(cfg.trainer.devices), int(cfg.trainer.num_nodes)
+    balance.check(
+        cfg.distributed.balance,
+        cfg.distributed.weights,
+        cfg.strategy.name,
+        deterministic,
+        devices * num_nodes,
+        num_nodes,
+    )
     strategies.check_devices(str(cfg.trainer.accelerator), int(cfg.trainer.devices))
-    strategies.set_cpu_threads(str(cfg.trainer.accelerator), int(cfg.trainer.devices))
+    strategies.set_cpu_threads(str(cfg.trainer.accelerator), int(cfg.trainer.devices), deterministic)
+    if deterministic:
+        strategies.check_deterministic(cfg.batch_size, bool(cfg.compile))
+    strategies.use_deterministic_kernels(deterministic)
     model_spec = build(cfg.model)
     limits = model_spec.limits()  # reads the checkpoint's config: fails fast on a path that is not a causal LM
-    devices, num_nodes = int(cfg.trainer.devices), int(cfg.trainer.num_nodes)
     strategy, shard = strategies.build(cfg.strategy.name, cfg.distributed.timeout_s, devices, num_nodes)
     datamodule = PerplexityDataModule(
         build(cfg.data),
@@ -125,6 +137,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         batch_size=cfg.batch_size,
         limits=limits,
         autobatch=OmegaConf.to_container(cfg.autobatch, resolve=True),
+        deterministic=deterministic,
+        balance=cfg.distributed.balance,
+        weights=list(cfg.distributed.weights) if cfg.distributed.weights else None,
     )
     module = compare.build_module(
         OmegaConf.to_container(cfg.compare, resolve=True),
@@ -134,6 +149,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         quantize.build(OmegaConf.to_container(cfg.quant, resolve=True)),
         timeout_s=cfg.distributed.timeout_s,
         compile_decoder=bool(cfg.compile),
+        deterministic=deterministic,
     )
     config = OmegaConf.to_container(cfg, resolve=True)
     callbacks: list[L.Callback] = [TokensPerSecondBar()]
@@ -172,6 +188,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "num_nodes": trainer.num_nodes,
         "strategy": cfg.strategy.name,
         "batch_size": datamodule.batch_size,  # the resolved number under batch_size=auto
+        "deterministic": deterministic,
+        "balance": {
+            "mode": cfg.distributed.balance,
+            "rank_weights": datamodule.rank_weights,
+            "measured_tokens_per_s": datamodule.measured_tokens_per_s,
+        },
         "precision": str(cfg.precision),
         "model": model_spec.path,
     }

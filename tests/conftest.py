@@ -49,6 +49,17 @@ def compose(tmp_path):
     return _compose
 
 
+@pytest.fixture(scope="module")
+def docs_file(tmp_path_factory) -> Path:
+    """Five real TinyStories documents (5 does not divide 2, 3 or 4) as JSON lines."""
+    require_shared()
+    texts = [t.strip() for t in TINYSTORIES.read_text(encoding="utf-8").split("<|endoftext|>") if t.strip()]
+    assert len(texts) == 5
+    path = tmp_path_factory.mktemp("docs") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
 def run_entry(
     args: list[str], tmp_path: Path, timeout: float = 240, env: dict | None = None, module: str = "lit_ppl.validate"
 ):

@@ -135,6 +135,48 @@ CASES = [
         FloatingPointError,
         "tokens had a NaN/inf loss (first at batch {0: 0} by rank)",
     ),
+    (
+        "deterministic with batch_size=auto",
+        lambda t: ["eval.deterministic=true", "batch_size=auto"],
+        ValueError,
+        "batch_size=auto with eval.deterministic=true",
+    ),
+    (
+        "deterministic with compile",
+        lambda t: ["eval.deterministic=true", "compile=true"],
+        ValueError,
+        "compile=true with eval.deterministic=true",
+    ),
+    ("unknown balance", lambda t: ["distributed.balance=fastest"], ValueError, "distributed.balance='fastest' is not"),
+    (
+        "weights missing",
+        lambda t: ["distributed.balance=weights"],
+        ValueError,
+        "distributed.balance=weights needs distributed.weights: positive relative speeds per node or per rank",
+    ),
+    (
+        "weights of the wrong length",
+        lambda t: ["distributed.balance=weights", "distributed.weights=[1.0,0.5,0.2]"],
+        ValueError,
+        "distributed.weights has 3 entries; give one per node (1) or one per rank (1)",
+    ),
+    (
+        "measured under fsdp",
+        lambda t: ["distributed.balance=measured", "strategy=fsdp"],
+        ValueError,
+        "distributed.balance=measured cannot time a rank alone under strategy=fsdp",
+    ),
+    (
+        "weights under deterministic fsdp",
+        lambda t: [
+            "distributed.balance=weights",
+            "distributed.weights=[1,0.5]",
+            "strategy=fsdp",
+            "eval.deterministic=true",
+        ],
+        ValueError,
+        "cannot help under strategy=fsdp with eval.deterministic=true",
+    ),
 ]
 
 

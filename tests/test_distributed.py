@@ -16,22 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, STORIES, TINYSTORIES, WIKITEXT, require_shared, run_entry
+from conftest import ROOT, STORIES, WIKITEXT, require_shared, run_entry
 
 from lit_ppl.validate import evaluate
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def docs_file(tmp_path_factory) -> Path:
-    """Five real TinyStories documents (5 does not divide 2, 3 or 4) as JSON lines."""
-    require_shared()
-    texts = [t.strip() for t in TINYSTORIES.read_text(encoding="utf-8").split("<|endoftext|>") if t.strip()]
-    assert len(texts) == 5
-    path = tmp_path_factory.mktemp("docs") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-    return path
 
 
 def _args(docs: Path, *extra: str) -> list[str]:

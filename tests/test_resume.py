@@ -138,3 +138,19 @@ def test_progress_of_another_configuration_is_refused(text, tmp_path):
     done, r = _run(text, out, "eval.seq_len=128")
     assert done.returncode == 1 and r is None
     assert "holds progress of a different run" in done.stderr
+
+
+def test_deterministic_resume_on_two_ranks_equals_one_process(text, tmp_path):
+    """eval.deterministic=true: a signalled 2-rank run, resumed, gives one process's numbers, bit for bit."""
+    det = ("eval.deterministic=true",)
+    proc, one = _run(text, tmp_path / "one", *det)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "run"
+    proc = _start_and_wait(text, out, *DDP2, *det)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    done, r = _run(text, out, *DDP2, *det)
+    assert done.returncode == 0 and "resuming from step" in done.stderr, done.stderr[-3000:]
+    _assert_identical(r, one)
+    assert r["nll_by_position"] == one["nll_by_position"]

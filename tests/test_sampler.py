@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from lit_ppl.sampler import PAD, ExactBatchSampler, plan_batches, shard_by_tokens
+from lit_ppl.sampler import PAD, ExactBatchSampler, global_batches, plan_batches, shard_by_tokens
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
@@ -42,3 +42,31 @@ def test_skip_resumes_after_done_batches():
     lengths = np.arange(1, 20)
     full = list(ExactBatchSampler(lengths, 1, 2, 3))
     assert list(ExactBatchSampler(lengths, 1, 2, 3, skip=2)) == full[2:]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+def test_deterministic_plan_hands_out_the_same_batches_at_every_world_size(world):
+    lengths = np.random.default_rng(1).integers(1, 512, size=53)
+    plan = plan_batches(lengths, world, 5, deterministic=True)
+    assert len({len(p) for p in plan}) == 1
+    batches = sorted(b for p in plan for b in p if b != [PAD])
+    assert batches == sorted(global_batches(lengths, 5))  # whole batches, formed without the world size
+
+
+def test_weights_move_the_shares_and_spread_the_padding():
+    lengths = np.full(40, 100)
+    for deterministic in (False, True):
+        plan = plan_batches(lengths, 2, 2, weights=[1.0, 0.25], deterministic=deterministic)
+        real = [sum(len(b) for b in p if b != [PAD]) for p in plan]
+        assert sorted(i for p in plan for b in p for i in b if i != PAD) == list(range(40))
+        assert real[0] == pytest.approx(4 * real[1], rel=0.15)
+        slow = [b != [PAD] for b in plan[1]]
+        assert slow[0] and not all(slow[: len(slow) // 2]), "the slow rank's padding is spread, not all at the end"
+    # Without deterministic mode the slow rank also gets smaller batches: every step costs both ranks alike.
+    plan = plan_batches(lengths, 2, 4, weights=[1.0, 0.25])
+    assert {len(b) for b in plan[0]} == {4} and {len(b) for b in plan[1] if b != [PAD]} == {1}
+
+
+def test_bad_weights_are_refused():
+    with pytest.raises(ValueError, match=r"rank weights \[1.0\] must be 2 positive numbers"):
+        plan_batches(np.array([3, 4]), 2, 1, weights=[1.0])

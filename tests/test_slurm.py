@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, STORIES, TINYSTORIES, WIKITEXT, require_shared, run_entry
+from conftest import ROOT, STORIES, WIKITEXT, require_shared, run_entry
 
 try:
     from tests.slurm_cluster import slurm
@@ -16,15 +16,6 @@ except ImportError:  # tests/ not importable as a package
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 TEMPLATE = ROOT / "slurm" / "validate_cpu.sbatch"
-
-
-@pytest.fixture(scope="module")
-def docs(tmp_path_factory) -> Path:
-    require_shared()
-    texts = [t.strip() for t in TINYSTORIES.read_text(encoding="utf-8").split("<|endoftext|>") if t.strip()]
-    path = tmp_path_factory.mktemp("docs") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-    return path
 
 
 def _submit_and_wait(slurm, tmp_path: Path, sbatch_args: list[str], args: list[str], timeout: float = 180) -> dict:
@@ -36,8 +27,8 @@ def _submit_and_wait(slurm, tmp_path: Path, sbatch_args: list[str], args: list[s
 
 
 @pytest.mark.parametrize("shape", [["--nodes=1", "--ntasks-per-node=2"], ["--nodes=2", "--ntasks-per-node=1"]])
-def test_templates_give_the_single_process_numbers(slurm, docs, tmp_path, shape):
-    args = [f"model.path={STORIES}", f"data.path={docs}", "eval.seq_len=64", "strategy=ddp"]
+def test_templates_give_the_single_process_numbers(slurm, docs_file, tmp_path, shape):
+    args = [f"model.path={STORIES}", f"data.path={docs_file}", "eval.seq_len=64", "strategy=ddp"]
     local, ref = run_entry([a for a in args if a != "strategy=ddp"] + ["trainer.accelerator=cpu"], tmp_path / "local")
     assert local.returncode == 0, local.stderr[-2000:]
     r = _submit_and_wait(slurm, tmp_path, shape, args)
