@@ -38,14 +38,6 @@ class Target:
         return lm.get_parameter(self.name) if self.kind == "experts" else lm.get_submodule(self.name).weight
 
 
-def _conv1d_class() -> type | None:
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:
-        return None
-    return Conv1D
-
-
 def foreign_forward(module: nn.Module) -> bool:
     """An ``nn.Linear`` (sub)class whose ``forward`` is not ``nn.Linear``'s: it may not call ``F.linear``."""
     return isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward
@@ -53,11 +45,12 @@ def foreign_forward(module: nn.Module) -> bool:
 
 def to_plain_linear(lm: nn.Module) -> dict[str, str]:
     """Replace ``Conv1D`` and ``FalconLinear`` modules by equivalent ``nn.Linear``; ``{name: former class}``."""
-    conv1d = _conv1d_class()
+    from transformers.pytorch_utils import Conv1D
+
     converted: dict[str, str] = {}
     for name, module in list(lm.named_modules()):
         cls = type(module).__name__
-        if conv1d is not None and isinstance(module, conv1d):
+        if isinstance(module, Conv1D):
             weight = module.weight.detach()  # (in, out)
             linear = nn.Linear(weight.shape[0], weight.shape[1], bias=module.bias is not None)
             linear = linear.to(device=weight.device, dtype=weight.dtype)

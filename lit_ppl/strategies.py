@@ -100,8 +100,10 @@ def set_cpu_threads(accelerator: str, devices: int, deterministic: bool = False)
         return
     if deterministic:
         torch.set_num_threads(1)
-    else:  # PyTorch's own default on one rank (an earlier run in this process may have changed it)
-        torch.set_num_threads(max(1, DEFAULT_THREADS // devices))
+    elif devices > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices))
+    else:  # PyTorch's own default (an earlier deterministic run in this process may have changed it)
+        torch.set_num_threads(DEFAULT_THREADS)
 
 
 def check_deterministic(batch_size: int | str, compile_decoder: bool) -> None:
