@@ -140,9 +140,10 @@ def raw_batches(model: Path, text: Path, work: Path, seq_len: int, batch_size: i
 
     Built before the raw loop's clock starts, so the baseline pays nothing for batching: a strict bar.
     """
-    from lit_ppl.data import DataSpec, PerplexityDataModule
+    from lit_ppl.data import PerplexityDataModule
     from lit_ppl.models import ModelSpec
     from lit_ppl.sampler import plan_batches
+    from lit_ppl.sources import DataSpec
 
     spec = ModelSpec(path=str(model))
     dm = PerplexityDataModule(

@@ -1,8 +1,8 @@
 """Target 5 — start-up: process start → first batch, cold and warm tokenization cache.
 
 Runs ``python -m lit_ppl.validate`` (the whole text by default) twice in fresh processes with a fresh
-``data.cache_dir``: the first run tokenizes the text, the second must not (``datasets`` reuses the cached
-``map`` under lit-ppl's fingerprint of documents + tokenizer; the check is that no ``tokenizing`` progress
+``data.cache_dir``: the first run tokenizes the text, the second must not (it memory-maps the token store
+kept under lit-ppl's fingerprint of files + tokenizer; the check is that no ``tokenizing`` progress
 appears in its output). A small
 wrapper (``--child``) timestamps the stages inside the process: imports done, model built, first batch
 (scored); it then stops the process, unless ``--full`` asks for the whole run (the ``result`` column).
@@ -48,17 +48,17 @@ def child(marks_path: str, overrides: list[str]) -> None:
         configure(self)
         marks.setdefault("model built", time.time() - t0)
 
-    tokenize = data.tokenize
+    prepare = data.prepare
 
-    def timed_tokenize(*a, **k):
+    def timed_prepare(*a, **k):
         t = time.time()
-        out = tokenize(*a, **k)
-        marks["tokenize calls s"] = marks.get("tokenize calls s", 0.0) + time.time() - t
+        out = prepare(*a, **k)
+        marks["token store s"] = marks.get("token store s", 0.0) + time.time() - t
         return out
 
     module.PerplexityModule.validation_step = first_step
     module.PerplexityModule.configure_model = timed_configure
-    data.tokenize = timed_tokenize
+    data.prepare = timed_prepare
     sys.argv = ["lit_ppl.validate", *overrides]
     try:
         validate.main()
@@ -99,7 +99,7 @@ def main() -> None:
         m = json.loads(marks.read_text())
         rows.append({"run": name, **{k: round(v, 2) for k, v in m.items()}, "tokenized": "tokenizing" in proc.stderr})
     print(f"{args.model.name} · {text.stat().st_size:,} bytes · seconds from process start")
-    cols = ["run", "imports done", "tokenize calls s", "model built", "first batch", "tokenized"]
+    cols = ["run", "imports done", "token store s", "model built", "first batch", "tokenized"]
     cols += ["result"] if args.full else []
     print(table(rows, cols))
     saving = rows[0]["first batch"] - rows[1]["first batch"]

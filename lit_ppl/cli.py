@@ -8,7 +8,7 @@
     lit-ppl validate --print_config > mine.yaml             # every option, with its default
 
 The option groups mirror the Hydra config: ``--model.*`` is :class:`~lit_ppl.models.ModelSpec`, ``--data.*``
-:class:`~lit_ppl.data.DataSpec`, ``--trainer.*`` Lightning's ``Trainer`` (``--trainer.strategy`` takes lit-ppl's
+:class:`~lit_ppl.sources.DataSpec`, ``--trainer.*`` Lightning's ``Trainer`` (``--trainer.strategy`` takes lit-ppl's
 names ``auto|ddp|fsdp|hsdp``, ``--trainer.precision`` any Lightning precision), ``--eval.*`` and ``--quant.*`` the
 ``eval=``/``quant=`` groups: ``--eval.mode sliding`` is ``eval=sliding`` and ``--quant.name int4`` is ``quant=int4``,
 an option left unset takes that group file's default. jsonargparse checks every value against these signatures.
@@ -36,8 +36,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from omegaconf import DictConfig, OmegaConf
 
-from lit_ppl.data import DataSpec
 from lit_ppl.models import ModelSpec
+from lit_ppl.sources import DataSpec
 from lit_ppl.strategies import STRATEGIES
 from lit_ppl.validate import USER_ERRORS, conf_dir, evaluate
 from lit_ppl.validate import main as validate_main
@@ -226,7 +226,7 @@ def to_hydra_config(ns: Any) -> DictConfig:
     output_dir = opts["output_dir"] or os.environ.get(OUTPUT_DIR_ENV) or time.strftime("outputs/cli/%Y-%m-%d/%H-%M-%S")
     cfg = {
         "model": {"_target_": "lit_ppl.models.ModelSpec", **opts["model"]},
-        "data": {"_target_": "lit_ppl.data.DataSpec", **opts["data"]},
+        "data": {"_target_": "lit_ppl.sources.DataSpec", **opts["data"]},
         "eval": _overlay(_load("eval", ev["mode"]), ev),
         "trainer": given,
         "strategy": {"name": strategy},

@@ -1,18 +1,11 @@
-"""Documents → tokens → evaluation windows → exactly sharded batches.
+"""Tokenized corpus → evaluation windows → exactly sharded batches.
 
-Documents come from local files (``.txt``: a whole file is one document unless ``document_separator``
-splits it; ``.jsonl``/``.json``/``.parquet`` with a text field) or a hub dataset, loaded with Hugging Face
-``datasets``. Tokenization is a batched ``map`` whose result ``datasets`` caches on disk under a
-fingerprint of (documents, tokenizer, lit-ppl version), so a second run over the same text and tokenizer
-does not tokenize again.
+The documents (:mod:`lit_ppl.sources`) are tokenized once per corpus and tokenizer into a token store
+(:mod:`lit_ppl.tokens`) that every rank memory-maps; a batch reads only its own windows' tokens.
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
-from dataclasses import dataclass, field
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -23,162 +16,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from lit_ppl.balance import given_weights, measured_weights, probe_tokens_per_s
 from lit_ppl.sampler import PAD, ExactBatchSampler
+from lit_ppl.sources import DataSpec
 from lit_ppl.tokenizer import Tokenizer
-from lit_ppl.windows import Windows, build_windows, doc_offsets
-
-DEMO_TEXT = "package://lit_ppl.assets/demo.txt"
-_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-TOKENIZE_VERSION = "1"  # bump when the tokenization output changes, to invalidate caches
-
-
-@dataclass
-class DataSpec:
-    """Where the documents come from.
-
-    Attributes:
-        path: one local file or a list of them (``.txt``, ``.jsonl``, ``.json``, ``.parquet``); the default
-            is a short text shipped with the package.
-        hub_name: a hub dataset name (used when ``path`` is empty), e.g. ``wikitext``.
-        hub_config: the hub dataset's configuration, e.g. ``wikitext-2-raw-v1``.
-        split: which split to evaluate.
-        text_field: the column holding the text (``.jsonl``/``.parquet``/hub datasets).
-        join_rows: concatenate all rows into one text before splitting (line-per-row hub datasets).
-        document_separator: a regex that splits each text into documents (``None``: one text, one document).
-        encoding_errors: how ``.txt`` files that are not valid UTF-8 are read: ``strict`` (an error naming the
-            file and byte offset), ``replace`` (U+FFFD) or ``ignore``.
-        cache_dir: where ``datasets`` keeps loaded and tokenized data (``None``: its default cache).
-    """
-
-    path: Any = DEMO_TEXT
-    hub_name: str | None = None
-    hub_config: str | None = None
-    split: str = "train"
-    text_field: str = "text"
-    join_rows: bool = False
-    document_separator: str | None = None
-    encoding_errors: str = "strict"
-    cache_dir: str | None = None
-    paths: list[str] = field(init=False)
-
-    def __post_init__(self) -> None:
-        raw = [] if self.path in (None, "") else [self.path] if isinstance(self.path, str) else list(self.path)
-        self.paths = [_resolve(p) for p in raw]
-        if not self.paths and not self.hub_name:
-            raise ValueError("no data: set data.path=FILE (or a list of files) or data.hub_name=NAME")
-        suffixes = {Path(p).suffix for p in self.paths}
-        if len(suffixes) > 1 or not suffixes <= set(_BUILDERS):
-            raise ValueError(
-                f"data.path has files of type {sorted(suffixes)}; give files of one type among {sorted(_BUILDERS)}"
-            )
-        if self.encoding_errors not in ("strict", "replace", "ignore"):
-            raise ValueError(f"data.encoding_errors={self.encoding_errors!r} is not one of strict, replace, ignore")
-        if self.document_separator is not None:
-            try:
-                re.compile(self.document_separator)
-            except re.error as err:
-                raise ValueError(f"data.document_separator={self.document_separator!r} is not a regex: {err}") from err
-
-
-def _resolve(path: str) -> str:
-    if path.startswith("package://"):
-        package, name = path.removeprefix("package://").split("/", 1)
-        return str(files(package) / name)
-    local = Path(path).expanduser()
-    if not local.is_file():
-        raise FileNotFoundError(f"data.path={path!r} is not a file")
-    return str(local.resolve())
-
-
-def _check_utf8(paths: list[str]) -> None:
-    """Fail before loading with the file and byte offset of the first invalid UTF-8 sequence."""
-    for path in paths:
-        try:
-            Path(path).read_bytes().decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(
-                f"{path} is not valid UTF-8 at byte offset {err.start} ({err.reason}); fix the file or set "
-                "data.encoding_errors=replace (or ignore)"
-            ) from None
-
-
-def load_texts(spec: DataSpec):
-    """Load the raw texts as a ``datasets.Dataset`` with one column, ``text``, one row per document."""
-    import datasets
-
-    if spec.paths:
-        builder = _BUILDERS[Path(spec.paths[0]).suffix]
-        kwargs = {"sample_by": "document", "encoding_errors": spec.encoding_errors} if builder == "text" else {}
-        if builder == "text" and spec.encoding_errors == "strict":
-            _check_utf8(spec.paths)
-        ds = datasets.load_dataset(builder, data_files=spec.paths, split="train", cache_dir=spec.cache_dir, **kwargs)
-    else:
-        ds = datasets.load_dataset(spec.hub_name, spec.hub_config, split=spec.split, cache_dir=spec.cache_dir)
-    if spec.text_field not in ds.column_names:
-        raise ValueError(f"data.text_field={spec.text_field!r} is not a column; the dataset has {ds.column_names}")
-    ds = (
-        ds.select_columns([spec.text_field]).rename_columns({spec.text_field: "text"})
-        if spec.text_field != "text"
-        else ds.select_columns(["text"])
-    )
-    if spec.join_rows:
-        ds = datasets.Dataset.from_dict({"text": ["".join(ds["text"])]})
-    if spec.document_separator is not None:
-        sep = spec.document_separator
-        ds = ds.map(
-            lambda b: {"text": [d for t in b["text"] for d in re.split(sep, t) if d.strip()]},
-            batched=True,
-            desc="splitting documents",
-        )
-    if len(ds) == 0:
-        raise ValueError(f"the dataset {spec.paths or spec.hub_name} has no documents")
-    return ds
-
-
-def tokenize(texts, tokenizer: Tokenizer, batch_size: int = 256):
-    """Add ``input_ids``, ``words`` and ``bytes`` columns; cached by ``datasets`` under a stable fingerprint.
-
-    Words and bytes follow lm-evaluation-harness: ``len(re.split(r"\\s+", doc))`` and the UTF-8 length.
-    """
-
-    def encode(batch: dict[str, list[str]]) -> dict[str, list]:
-        return {
-            "input_ids": tokenizer.encode(batch["text"]),
-            "words": [len(re.split(r"\s+", t)) for t in batch["text"]],
-            "bytes": [len(t.encode("utf-8")) for t in batch["text"]],
-        }
-
-    key = f"{texts._fingerprint}|{tokenizer.fingerprint}|{TOKENIZE_VERSION}"
-    fingerprint = hashlib.sha256(key.encode()).hexdigest()[:32]
-    return texts.map(encode, batched=True, batch_size=batch_size, new_fingerprint=fingerprint, desc="tokenizing")
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """Tokenized documents laid out flat as ``[BOS] + doc`` for each document."""
-
-    tokens: np.ndarray  # int64, all documents with their BOS
-    scorable: np.ndarray  # bool, False at every document's BOS
-    doc_lengths: np.ndarray
-    doc_words: np.ndarray
-    doc_bytes: np.ndarray
-
-    @classmethod
-    def from_dataset(cls, ds, context_id: int) -> Corpus:
-        ids = ds["input_ids"]
-        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-        empty = np.flatnonzero(lengths == 0)
-        if len(empty):
-            raise ValueError(
-                f"{len(empty)} of {len(lengths)} documents have no tokens (first: document {int(empty[0])}); "
-                "remove empty documents or adjust data.document_separator"
-            )
-        offsets = doc_offsets(lengths)
-        tokens = np.empty(int(lengths.sum() + len(lengths)), dtype=np.int64)
-        tokens[offsets] = context_id
-        body = np.ones(len(tokens), dtype=bool)
-        body[offsets] = False
-        tokens[body] = np.fromiter((t for doc in ids for t in doc), dtype=np.int64, count=int(lengths.sum()))
-        return cls(tokens, body, lengths, np.asarray(ds["words"], np.int64), np.asarray(ds["bytes"], np.int64))
+from lit_ppl.tokens import Corpus, prepare
+from lit_ppl.windows import Windows, build_windows
 
 
 class WindowCollator:
@@ -192,7 +33,7 @@ class WindowCollator:
 
     def __init__(self, corpus: Corpus, windows: Windows, pad_id: int = 0) -> None:
         self.corpus, self.windows, self.pad_id = corpus, windows, pad_id
-        self.offsets = doc_offsets(corpus.doc_lengths)
+        self.offsets = corpus.offsets
 
     def __call__(self, ids: list[int]) -> dict[str, Any]:
         real = [i for i in ids if i != PAD]
@@ -204,12 +45,15 @@ class WindowCollator:
             if i == PAD:
                 continue
             start, end = int(w.start[i]), int(w.end[i])
-            input_ids[row, : end - start] = tokens[start:end]
+            ids = tokens[start : end + 1].astype(np.int64)  # the window's inputs and its last target
+            input_ids[row, : end - start] = ids[:-1]
             target_pos = np.arange(start + 1, end + 1)
-            keep = (target_pos >= w.score_from[i]) & self.corpus.scorable[target_pos]
+            doc = np.searchsorted(self.offsets, target_pos, side="right") - 1
+            # Scored: from score_from on, and never a document's BOS (context only, not part of any document).
+            keep = (target_pos >= w.score_from[i]) & (target_pos != self.offsets[doc])
             index.append(row * width + np.flatnonzero(keep))
-            targets.append(tokens[target_pos[keep]])
-            docs.append(np.searchsorted(self.offsets, target_pos[keep], side="right") - 1)
+            targets.append(ids[1:][keep])
+            docs.append(doc[keep])
         cat = lambda parts: torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))  # noqa: E731
         return {
             "input_ids": torch.from_numpy(input_ids),
@@ -254,6 +98,7 @@ class PerplexityDataModule(L.LightningDataModule):
         num_workers: DataLoader workers (batches are cheap to build; 0 is usually right).
         limits: the model's ``(vocab_size, max_positions)``, checked against the data and ``seq_len``.
         autobatch: options of :func:`lit_ppl.autobatch.resolve` for ``batch_size="auto"``.
+        timeout_s: longest wait for another process (on this node or another) tokenizing the same corpus.
         deterministic: batches formed independently of the world size, whole batches per rank (:mod:`lit_ppl.sampler`).
         balance: ``tokens``, ``weights`` or ``measured`` (:mod:`lit_ppl.balance`).
         weights: ``balance=weights``: relative speed per node or per rank.
@@ -273,8 +118,10 @@ class PerplexityDataModule(L.LightningDataModule):
         deterministic: bool = False,
         balance: str = "tokens",
         weights: list[float] | None = None,
+        timeout_s: float = 300.0,
     ) -> None:
         super().__init__()
+        self.timeout_s = timeout_s
         self.deterministic, self.balance, self.weights = deterministic, balance, weights
         # Resolved in val_dataloader (or restored by a resume, so that the plan is the one the progress belongs to).
         self.rank_weights: list[float] | None = None
@@ -286,13 +133,15 @@ class PerplexityDataModule(L.LightningDataModule):
         self.mode, self.seq_len, self.stride = mode, seq_len, stride
         self.batch_size, self.num_workers = batch_size, num_workers
         self.corpus: Corpus | None = None
+        self.store: Path | None = None  # the token store's directory, once set up
         self.windows: Windows | None = None
         self.skip_batches = 0  # set when resuming: this many batches of every rank are already done
 
     def prepare_data(self) -> None:
-        # Lightning runs this on one process per node before setup(): it fills the tokenization cache
-        # once, and every rank's setup() then reads it instead of tokenizing again.
-        tokenize(load_texts(self.spec), self.tokenizer)
+        # Lightning runs this on one process per node before setup() (lit_ppl.validate calls it on every rank
+        # earlier still); the store's lock makes it one build per cache directory, so with a cache on a shared
+        # filesystem one process tokenizes for the whole job.
+        prepare(self.spec, self.tokenizer, self.timeout_s)
 
     def setup(self, stage: str | None = None) -> None:
         if self.corpus is not None:
@@ -302,17 +151,30 @@ class PerplexityDataModule(L.LightningDataModule):
                 f"eval.seq_len={self.seq_len} exceeds the model's maximum of {self.limits[1]} positions; "
                 f"use eval.seq_len<={self.limits[1]}"
             )
-        corpus = Corpus.from_dataset(tokenize(load_texts(self.spec), self.tokenizer), self.tokenizer.context_id)
+        self.store = prepare(self.spec, self.tokenizer, self.timeout_s, progress=False)
+        corpus = Corpus.open(self.store)
         vocab = self.limits[0] if self.limits is not None else None
-        if vocab is not None and corpus.tokens.max() >= vocab:
+        if vocab is not None and corpus.max_token >= vocab:
             raise ValueError(
-                f"token id {int(corpus.tokens.max())} is out of the model's vocabulary of {vocab}: the tokenizer "
+                f"token id {corpus.max_token} is out of the model's vocabulary of {vocab}: the tokenizer "
                 "does not match the model"
             )
         self.windows = build_windows(
             self.mode, corpus.doc_lengths, self.seq_len, self.stride, corpus.doc_words, corpus.doc_bytes
         )
         self.corpus = corpus
+
+    def describe(self) -> dict[str, Any]:
+        """What was evaluated, for ``results.json``: the source, ``data.limit`` and the token store."""
+        assert self.corpus is not None, "call setup() first"
+        return {
+            "source": self.spec.describe(),
+            "files": len(self.spec.paths),
+            "limit": self.spec.limit,
+            "documents": len(self.corpus.doc_lengths),
+            "token_store": str(self.store) if self.store else None,
+            "token_dtype": self.corpus.tokens.dtype.name,
+        }
 
     def batch_sampler(self, rank: int, world_size: int, skip: int = 0) -> ExactBatchSampler:
         assert self.windows is not None, "call setup() first"

@@ -18,14 +18,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric
+from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 FRACTION_BITS = 40
 LIMB_BITS = 32
 VALUE_LIMIT = 2.0**22
 HI_LIMIT = 2**52
 _LOW_MASK = 2**LIMB_BITS - 1
+_ALL_REDUCE = {dim_zero_sum: dist.ReduceOp.SUM, dim_zero_min: dist.ReduceOp.MIN, dim_zero_max: dist.ReduceOp.MAX}
 
 
 class FixedPointOverflow(FloatingPointError):
@@ -57,7 +61,11 @@ class SumStates(Metric):
 
     ``add_sum_state(name)`` declares a sum (a scalar, or a vector of ``size``), ``add_to(name, values, index)``
     adds values (all of them, or ``index_add_`` by ``index``), ``sum_of(name)`` reads it as float64 and
-    ``check_range()`` raises :class:`FixedPointOverflow` when an exact sum overflowed.
+    ``check_range()`` raises :class:`FixedPointOverflow` when an exact sum overflowed. ``add_count_state`` declares
+    an int64 count that stays int64 in either mode.
+
+    States reduced by sum, min or max sync with one ``all_reduce`` each: a rank holds one copy of a state during
+    the sync, whatever the world size (torchmetrics' default all-gathers ``world_size`` copies, then reduces).
     """
 
     def __init__(self, exact: bool = False, **kwargs) -> None:
@@ -76,6 +84,12 @@ class SumStates(Metric):
         for limb in (f"{name}_hi", f"{name}_lo"):
             self.add_state(limb, default=torch.zeros(shape, dtype=torch.int64), dist_reduce_fx="sum")
             self._integer_states.append(limb)
+
+    def add_count_state(self, name: str, size: int | None = None) -> None:
+        """An int64 sum of counts; kept out of ``set_dtype(torch.float64)``, which would make it a float."""
+        shape = () if size is None else (size,)
+        self.add_state(name, default=torch.zeros(shape, dtype=torch.int64), dist_reduce_fx="sum")
+        self._integer_states.append(name)
 
     def add_to(self, name: str, values: Tensor, index: Tensor | None = None) -> None:
         if not self.exact:
@@ -109,6 +123,17 @@ class SumStates(Metric):
                 f"(|value| < {VALUE_LIMIT:.0f}, i.e. a per-token NLL below 2048 nats; |sum| < 2^44 per rank); "
                 "the model gives absurd losses, or use eval.deterministic=false"
             )
+
+    def _sync_dist(self, dist_sync_fn: Callable = gather_all_tensors, process_group: object = None) -> None:
+        if dist_sync_fn is not gather_all_tensors or any(fn not in _ALL_REDUCE for fn in self._reductions.values()):
+            super()._sync_dist(dist_sync_fn, process_group=process_group)  # a custom sync, or a "cat" state
+            return
+        group = process_group or self.process_group
+        for name, reduce_fn in self._reductions.items():
+            # A copy: sync() keeps the local states to restore them in unsync().
+            state = getattr(self, name).clone()
+            dist.all_reduce(state, op=_ALL_REDUCE[reduce_fn], group=group)
+            setattr(self, name, state)
 
     def _apply(self, fn: Callable, exclude_state: Sequence[str] = ()) -> Metric:
         # The integer states follow device moves but never a dtype cast (set_dtype(float64) casts every state):

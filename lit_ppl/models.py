@@ -17,6 +17,19 @@ from lit_ppl.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 BUILTIN = "builtin"
 
 
+def hub_unreachable(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) says the hub could not be reached or offline mode forbade it."""
+    seen: BaseException | None = err
+    while seen is not None:
+        names = {c.__name__ for c in type(seen).__mro__}
+        if names & {"LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectionError", "ConnectError"}:
+            return True
+        if "couldn't connect to" in str(seen).lower():
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 @dataclass
 class ModelSpec:
     """Which causal LM to evaluate.
@@ -73,7 +86,26 @@ class ModelSpec:
                 **kwargs,
             )
         except (OSError, ValueError, KeyError) as err:
+            if not Path(self.path).expanduser().is_dir() and hub_unreachable(err):
+                raise ValueError(
+                    f"model.path={self.path!r} is not a local directory, not in the Hugging Face cache, and the hub "
+                    f"cannot be reached; run `python -m lit_ppl.fetch model.path={self.path}` where the hub is "
+                    "reachable (with HF_HOME on storage these nodes read), or give a local checkpoint directory"
+                ) from None
             raise ValueError(f"model.path={self.path!r} {problem}: {first_line(err)}") from err
+
+    def download(self) -> str | None:
+        """Fetch a hub id's files into the Hugging Face cache (``None`` for the built-in model or a directory)."""
+        if self.is_builtin or Path(self.path).expanduser().is_dir():
+            return None
+        from huggingface_hub import HfApi, snapshot_download
+
+        names = HfApi().list_repo_files(self.path, revision=self.revision)
+        # The weights once, in the format from_pretrained prefers; not the original/ consolidated copies.
+        ignore = ["original/*", "*.pth", "*.msgpack", "*.h5", "*.ot", "*.onnx", "*.gguf", "*.tflite"]
+        if any(n.endswith(".safetensors") for n in names):
+            ignore.append("*.bin")
+        return snapshot_download(self.path, revision=self.revision, ignore_patterns=ignore)
 
     def limits(self) -> tuple[int, int | None]:
         """``(vocab_size, max_positions)`` from the model's config, without loading its weights."""

@@ -13,6 +13,7 @@ from torchmetrics import Metric
 from lit_ppl.distributed import check_peers, control_group
 from lit_ppl.metric import NLLBreakdown, Perplexity
 from lit_ppl.models import ModelSpec, key_problem
+from lit_ppl.results import peak_memory, rank_memory
 from lit_ppl.scorer import TokenScorer, check_scorer
 
 # Weights are loaded directly in the dtype a "*-true" precision computes in (a 70B checkpoint must not
@@ -197,11 +198,8 @@ class PerplexityModule(L.LightningModule):
         metrics = self.metrics()
         for name, states in state["metrics"].items():
             for key, value in states.items():
-                current = getattr(metrics[name], key)
-                if isinstance(current, torch.Tensor):
-                    setattr(metrics[name], key, value.to(device=current.device, dtype=current.dtype))
-                else:  # list states ("cat" reductions): per-token values kept for exact percentiles
-                    setattr(metrics[name], key, [v.to(self.device) for v in value])
+                current = getattr(metrics[name], key)  # every state is a fixed-size tensor
+                setattr(metrics[name], key, value.to(device=current.device, dtype=current.dtype))
         self.tokens_seen, self.steps = state["tokens_seen"], state["steps"]
         self._first_bad_step = torch.tensor(state["first_bad_step"], device=self.device)
 
@@ -211,9 +209,8 @@ class PerplexityModule(L.LightningModule):
         check_peers(self._control, self.timeout_s, "the final metric sync")
         stats = self.metric.compute()  # the one cross-rank synchronisation of the metric
         sync_s = time.perf_counter() - t_sync
-        per_rank = self.all_gather(
-            torch.tensor([self.tokens_seen, self.steps, int(self._first_bad_step)], device=self.device)
-        ).reshape(-1, 3)
+        mine = [self.tokens_seen, self.steps, int(self._first_bad_step), *peak_memory(self.device)]
+        per_rank = self.all_gather(torch.tensor(mine, device=self.device)).reshape(-1, 5)
         if int(stats["nonfinite"]) > 0:
             first = {r: int(s) for r, s in enumerate(per_rank[:, 2].tolist()) if s >= 0}
             precision = str(self.trainer.precision)
@@ -231,6 +228,7 @@ class PerplexityModule(L.LightningModule):
             "sync_seconds": sync_s,
             "rank_tokens": per_rank[:, 0].tolist(),
             "rank_steps": per_rank[:, 1].tolist(),
+            **rank_memory(per_rank[:, 3].tolist(), per_rank[:, 4].tolist()),
             "scorer_check": self.scorer_check,
         }
         for k in ("tokens", "words", "bytes", "documents"):

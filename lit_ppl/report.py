@@ -27,7 +27,7 @@ from lit_ppl.results import SCHEMA_VERSION
 RESULTS = "results.json"
 REQUIRED = ("ppl", "ppl_ci95", "tokens", "world_size", "strategy", "precision", "config")
 # Keys of the config that may differ between runs without changing any number: where things run, not what.
-IGNORED_DATA_KEYS = ("_target_", "cache_dir")
+IGNORED_DATA_KEYS = ("_target_", "cache_dir", "num_proc")
 IGNORED_MODEL_KEYS = ("_target_",)
 IGNORED_QUANT_KEYS = ("source",)  # every rank quantizing vs rank 0 broadcasting: the same weights either way
 COLUMNS = (

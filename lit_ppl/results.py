@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import sys
 import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -22,6 +24,28 @@ def library_versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[name] = "missing"
     return out
+
+
+def peak_memory(device: Any) -> tuple[int, int]:
+    """This process's peak host RSS in KiB and, on a CUDA ``device``, its peak allocated bytes there (else -1).
+
+    Integers, so that the ranks' figures travel in the same int64 all-gather as their token counts.
+    """
+    import torch
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_kib = rss // 1024 if sys.platform == "darwin" else rss  # bytes on macOS, KiB on Linux
+    on_cuda = getattr(device, "type", None) == "cuda"
+    return rss_kib, int(torch.cuda.max_memory_allocated(device)) if on_cuda else -1
+
+
+def rank_memory(rss_kib: list[int], device_bytes: list[int]) -> dict[str, list[float] | None]:
+    """``rank_peak_rss_mb`` and ``rank_peak_device_mb`` (``None`` off CUDA) from every rank's :func:`peak_memory`."""
+    on_cuda = all(b >= 0 for b in device_bytes)
+    return {
+        "rank_peak_rss_mb": [round(k / 1024, 1) for k in rss_kib],
+        "rank_peak_device_mb": [round(b / 2**20, 1) for b in device_bytes] if on_cuda else None,
+    }
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> Path:
@@ -69,6 +93,8 @@ def build_results(stats: dict[str, Any], run: dict[str, Any], config: dict[str, 
         "sync_seconds": stats["sync_seconds"],
         "rank_tokens": stats["rank_tokens"],
         "rank_steps": stats["rank_steps"],
+        "rank_peak_rss_mb": stats.get("rank_peak_rss_mb"),
+        "rank_peak_device_mb": stats.get("rank_peak_device_mb"),
         "scorer_check": stats.get("scorer_check"),
         "nll_by_position": stats.get("nll_by_position"),
         "config": config,
@@ -103,6 +129,14 @@ def write_per_document(path: Path, tokens: Any, nll_sum: Any) -> Path:
     return path
 
 
+def per_rank(values: list[float]) -> str:
+    """Few ranks: every value; many: the max and the min, with their ranks."""
+    if len(values) <= 4:
+        return " · ".join(f"{v:,.0f}" for v in values)
+    hi, lo = max(range(len(values)), key=values.__getitem__), min(range(len(values)), key=values.__getitem__)
+    return f"max {values[hi]:,.0f} (rank {hi}) · min {values[lo]:,.0f} (rank {lo})"
+
+
 def print_table(results: dict[str, Any]) -> None:
     """Print the headline numbers as a Rich table."""
     from rich.console import Console
@@ -127,6 +161,12 @@ def print_table(results: dict[str, Any]) -> None:
         ),
         ("seconds · tokens/s", f"{results['seconds']:.2f} · {results['tokens_per_s'] or 0:,.0f}"),
     ]
+    for key, name in (
+        ("rank_peak_rss_mb", "peak RSS per rank (MB)"),
+        ("rank_peak_device_mb", "peak GPU per rank (MB)"),
+    ):
+        if results.get(key):
+            rows.append((name, per_rank(results[key])))
     quant = results.get("quant")
     if quant:
         rows.append(

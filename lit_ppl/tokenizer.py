@@ -15,6 +15,11 @@ class Tokenizer(Protocol):
         ...
 
     @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (the token store's dtype follows it)."""
+        ...
+
+    @property
     def fingerprint(self) -> str:
         """Stable digest of the vocabulary and rules: the tokenization cache key."""
         ...
@@ -65,6 +70,10 @@ class HFTokenizer:
     @property
     def context_id(self) -> int:
         return self._context_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)
 
     @property
     def fingerprint(self) -> str:

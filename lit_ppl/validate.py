@@ -140,7 +140,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         deterministic=deterministic,
         balance=cfg.distributed.balance,
         weights=list(cfg.distributed.weights) if cfg.distributed.weights else None,
+        timeout_s=cfg.distributed.timeout_s,
     )
+    # The token store, before Lightning starts the process group: ranks that wait while another process
+    # tokenizes a large corpus then wait on its progress, not inside a collective with a fixed timeout.
+    datamodule.prepare_data()
     module = compare.build_module(
         OmegaConf.to_container(cfg.compare, resolve=True),
         model_spec,
@@ -157,7 +161,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"report.per_document={cfg.report.per_document!r} is not one of null, csv, parquet")
     if cfg.resume.enabled:
         stable = {k: v for k, v in config.items() if k not in VOLATILE_KEYS}
-        stable["data"] = {k: v for k, v in stable["data"].items() if k != "cache_dir"}
+        stable["data"] = {k: v for k, v in stable["data"].items() if k not in ("cache_dir", "num_proc")}
         callbacks.append(
             ResumeCallback(Path(cfg.output_dir) / "progress", stable, cfg.resume.save_every, cfg.resume.check_every)
         )
@@ -196,6 +200,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         },
         "precision": str(cfg.precision),
         "model": model_spec.path,
+        "data": datamodule.describe(),
     }
     results = build_results(module.result, run, config)
     results.update(compare.extra_results(module))  # "quant", and "reference_quant"/"compare" when comparing

@@ -55,28 +55,35 @@ def doc_offsets(doc_lengths: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
 
 
-def _rolling(offset: int, n: int, seq_len: int) -> list[tuple[int, int, int]]:
-    first = min(seq_len, n)
-    out = [(offset, offset + first, offset + 1)]
-    predicted = first
-    while predicted < n:
-        end = predicted + min(n - predicted, seq_len)
-        out.append((offset + end - seq_len, offset + end, offset + predicted + 1))
-        predicted = end
-    return out
+def _groups(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ``counts[d]`` windows of each document ``d``: every window's document and its index within it."""
+    doc = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    return doc, np.arange(int(counts.sum()), dtype=np.int64) - first[doc]
 
 
-def _sliding(offset: int, n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
-    # HF's loop over the stream [BOS] + doc of length n + 1: window [begin, end_loc) reads
-    # end_loc - begin - 1 inputs and scores the targets from the previous end_loc on.
-    stream_len, prev_end, out = n + 1, 1, []
-    for begin in range(0, stream_len, stride):
-        end_loc = min(begin + seq_len, stream_len)
-        out.append((offset + begin, offset + end_loc - 1, offset + max(prev_end, begin + 1)))
-        prev_end = end_loc
-        if end_loc == stream_len:
-            break
-    return out
+def _rolling(offsets: np.ndarray, n: np.ndarray, seq_len: int) -> tuple[np.ndarray, ...]:
+    # Window j of a document predicts its tokens [j·L, min(n, (j+1)·L)); the first reads [BOS] + its first
+    # tokens, later ones read exactly L inputs ending just before their last target.
+    counts = -(-n // seq_len)
+    doc, j = _groups(counts)
+    off, n_d = offsets[doc], n[doc]
+    end = np.minimum(n_d, (j + 1) * seq_len)
+    start = np.where(j == 0, 0, end - seq_len)
+    return off + start, off + end, off + j * seq_len + 1, counts
+
+
+def _sliding(offsets: np.ndarray, n: np.ndarray, seq_len: int, stride: int) -> tuple[np.ndarray, ...]:
+    # HF's loop over the stream [BOS] + doc of length n + 1: window i begins at i·stride, reads up to
+    # end_loc = min(begin + L, n + 1) (end_loc - begin - 1 inputs) and scores the targets from the previous
+    # window's end_loc on; the loop stops at the first window reaching the stream's end.
+    counts = np.maximum(0, -(-(n + 1 - seq_len) // stride)) + 1
+    doc, i = _groups(counts)
+    off, stream = offsets[doc], n[doc] + 1
+    begin = i * stride
+    end_loc = np.minimum(begin + seq_len, stream)
+    prev_end = np.where(i == 0, 1, begin - stride + seq_len)
+    return off + begin, off + end_loc - 1, off + np.maximum(prev_end, begin + 1), counts
 
 
 def build_windows(
@@ -119,15 +126,12 @@ def build_windows(
         ]
         return Windows(start, end, start + 1, *counts)
 
-    rows: list[tuple[int, int, int]] = []
-    firsts = np.empty(len(lengths), dtype=np.int64)
-    for i, (offset, n) in enumerate(zip(offsets.tolist(), lengths.tolist(), strict=False)):
-        firsts[i] = len(rows)
-        rows.extend(_rolling(offset, n, seq_len) if mode == "rolling" else _sliding(offset, n, seq_len, stride))
-    arr = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+    cut = _rolling(offsets, lengths, seq_len) if mode == "rolling" else _sliding(offsets, lengths, seq_len, stride)
+    start, end, score_from, per_doc = cut
+    firsts = np.concatenate([[0], np.cumsum(per_doc)[:-1]]).astype(np.int64)  # each document's first window
     counts = []
     for v in (np.ones_like(lengths), words, nbytes):
-        c = np.zeros(len(arr), dtype=np.int64)
+        c = np.zeros(len(start), dtype=np.int64)
         c[firsts] = v
         counts.append(c)
-    return Windows(arr[:, 0], arr[:, 1], arr[:, 2], *counts)
+    return Windows(start, end, score_from, *counts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 from pathlib import Path
@@ -52,6 +53,17 @@ def _bytes(tmp_path: Path, name: str, data: bytes) -> Path:
     return path
 
 
+def _mixed_dir(tmp_path: Path) -> Path:
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "a.txt").write_text("a story")
+    (tmp_path / "shards" / "b.jsonl").write_text('{"text": "another"}\n')
+    return tmp_path / "shards"
+
+
+def _corrupt_gz(tmp_path: Path) -> Path:
+    return _bytes(tmp_path, "bad.json.gz", gzip.compress(b'{"text": "a story"}\n' * 50)[:30])
+
+
 EMPTY_DOC_JSONL = b'{"text": "hi"}\n{"text": ""}\n'
 
 # (id, overrides built from tmp_path, error type, message that must appear)
@@ -76,7 +88,29 @@ CASES = [
         FileNotFoundError,
         "data.path='/no/such.txt' is not a file",
     ),
-    ("unknown data type", lambda t: [f"data.path={_bytes(t, 'x.csv', b'a')}"], ValueError, "give files of one type"),
+    ("mixed formats", lambda t: [f"data.path={_mixed_dir(t)}"], ValueError, "mixes formats"),
+    ("empty glob", lambda t: [f"data.path={t}/*.json.gz"], FileNotFoundError, "matches no files"),
+    ("corrupt gzip", lambda t: [f"data.path={_corrupt_gz(t)}"], ValueError, "bad.json.gz is not a valid .gz file"),
+    (
+        "invalid utf-8 compressed",
+        lambda t: ["data.path=" + str(_bytes(t, "bad.txt.gz", gzip.compress(b"abc\xffdef")))],
+        ValueError,
+        "is not valid UTF-8 at byte offset 3",
+    ),
+    ("unknown format", lambda t: ["data.format=csv"], ValueError, "data.format='csv' is not one of auto, text"),
+    ("zero limit", lambda t: ["data.limit=0"], ValueError, "data.limit=0 must be a positive number of documents"),
+    (
+        "unreachable hub data",
+        lambda t: ["data=wikitext2"],
+        ValueError,
+        "data.hub_name='wikitext' is not in the datasets cache and the hub cannot be reached",
+    ),
+    (
+        "unreachable hub model",
+        lambda t: ["model=hf", "model.path=nobody/no-such-model"],
+        ValueError,
+        "model.path='nobody/no-such-model' is not a local directory, not in the Hugging Face cache",
+    ),
     ("empty file", lambda t: [f"data.path={_bytes(t, 'empty.txt', b'')}"], ValueError, "documents have no tokens"),
     (
         "empty document",

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import doctest
+import math
+
+import numpy as np
 import pytest
 import torch
 from conftest import STORIES, TINYSTORIES, require_shared
 
-from lit_ppl import quantize
-from lit_ppl.compare import KLDivergence, percentile, token_stats
-from lit_ppl.data import DataSpec, PerplexityDataModule
+from lit_ppl import histogram, quantize
+from lit_ppl.compare import HISTOGRAMS, KLDivergence, token_stats
+from lit_ppl.data import PerplexityDataModule
 from lit_ppl.models import ModelSpec
+from lit_ppl.sources import DataSpec
 from lit_ppl.validate import evaluate
 
+ALPHA = 1e-3  # the histograms' relative error bound (lit_ppl.histogram)
 DATA = ["model=hf", f"model.path={STORIES}", "data=text", f"data.path={TINYSTORIES}", "trainer=cpu"]
 
 
@@ -55,7 +61,8 @@ def test_int4_against_unquantized_matches_a_direct_float64_computation(compose):
     assert c["kld_mean"] > 0.01 and c["same_top"] < 0.95 and c["ppl_ratio"] > 1.0
     assert c["ppl"] == pytest.approx(r["ppl"], rel=1e-12) and c["ppl_base"] == pytest.approx(6.8972206, rel=2e-5)
     assert c["kld_mean"] == pytest.approx(direct["kld"].mean().item(), rel=1e-6)
-    assert c["kld_p99"] == pytest.approx(torch.quantile(direct["kld"], 0.99).item(), rel=1e-5)
+    # A histogram percentile (bound 0.1%, below) on top of the float32 run's own 1e-5.
+    assert c["kld_p99"] == pytest.approx(torch.quantile(direct["kld"], 0.99).item(), rel=ALPHA + 1e-5)
     assert c["kld_max"] == pytest.approx(direct["kld"].max().item(), rel=1e-5)
     assert c["p_diff_mean"] == pytest.approx(direct["p_diff"].mean().item(), rel=1e-5)
     assert c["same_top"] == pytest.approx(direct["same"].double().mean().item(), abs=1.5 / 1882)
@@ -92,13 +99,152 @@ def test_token_stats_do_not_depend_on_the_chunk_size():
     assert torch.allclose(full["kld"], ref, rtol=1e-10)
 
 
-def test_percentiles_are_llama_cpp_linear_interpolation():
-    values = torch.rand(1001, dtype=torch.float64).sort().values
-    for p in (0.1, 1.0, 5.0, 50.0, 90.0, 99.9):
-        assert percentile(values, p) == pytest.approx(torch.quantile(values, p / 100).item(), rel=1e-12)
+def feed(metrics: list[KLDivergence], kld: torch.Tensor, p_diff: torch.Tensor, batch: int) -> None:
+    """Deal batches of ``batch`` tokens round-robin to ``metrics`` (the "ranks"), as the sampler would."""
+    for i, start in enumerate(range(0, kld.numel(), batch)):
+        part = slice(start, start + batch)
+        nll = -torch.log1p(kld[part])  # any finite NLLs: the percentiles do not read them
+        metrics[i % len(metrics)].update(nll, nll, kld[part], p_diff[part], torch.ones_like(nll, dtype=torch.bool))
+
+
+def merged(kld: torch.Tensor, p_diff: torch.Tensor, ranks: int, batch: int, exact: bool = False) -> KLDivergence:
+    """The metric of ``ranks`` instances fed round-robin and merged as a sync would (sum, min, max per state)."""
+    metrics = [KLDivergence(exact=exact) for _ in range(ranks)]
+    feed(metrics, kld, p_diff, batch)
+    for other in metrics[1:]:
+        metrics[0].merge_state(other)
+    return metrics[0]
+
+
+def sample(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lognormal KLDs (with exact zeros) and uniform Δp in [-1, 1] (with exact zeros), float64."""
+    g = torch.Generator().manual_seed(seed)
+    kld = torch.exp(torch.randn(n, generator=g, dtype=torch.float64) * 3.0 - 5.0)
+    kld[torch.randperm(n, generator=g)[: n // 100]] = 0.0  # a model that agrees exactly on 1% of tokens
+    p_diff = torch.rand(n, generator=g, dtype=torch.float64) * 2.0 - 1.0
+    p_diff[torch.randperm(n, generator=g)[: n // 50]] = 0.0
+    return kld, p_diff
+
+
+def test_histogram_percentiles_are_within_the_stated_bound():
+    kld, p_diff = sample(300_001)
+    out = merged(kld, p_diff, ranks=2, batch=4096).compute()
+    assert out["tokens"] == kld.numel()
+    assert out["kld_mean"] == pytest.approx(kld.mean().item(), rel=1e-12)  # the sums stay exact
+    for name, values in (("kld", kld), ("p_diff", p_diff)):
+        v = np.sort(values.numpy())
+        assert out[f"{name}_min"] == v[0] and out[f"{name}_max"] == v[-1]  # exact endpoints
+        pcts = [float(k.removeprefix(f"{name}_p")) for k in out if k.startswith(f"{name}_p") and k[-1].isdigit()]
+        assert len(pcts) >= 9
+        for p in pcts:
+            exact = np.percentile(v, p, method="linear")  # llama.cpp's: linear at p/100·(n−1)
+            pos = p / 100 * (v.size - 1)
+            neighbours = max(abs(v[math.floor(pos)]), abs(v[math.ceil(pos)]))
+            # α of the neighbouring sorted values (relative to the percentile when they share a sign), or the
+            # underflow threshold below it; 1e-9 for rounding at a bin edge.
+            bound = ALPHA * (1 + 1e-9) * neighbours + HISTOGRAMS[name].low
+            assert abs(out[f"{name}_p{p:g}"] - exact) <= bound, (name, p, out[f"{name}_p{p:g}"], exact)
+            if name == "kld" and v[math.floor(pos)] > 0:
+                assert out[f"{name}_p{p:g}"] == pytest.approx(exact, rel=ALPHA * (1 + 1e-9))
+
+
+def test_histogram_state_does_not_grow_with_the_tokens():
+    metric = KLDivergence()
+    size = metric.state_bytes()
+    assert size == 451_488  # about 450 KB per rank, whatever the corpus
+    kld, p_diff = sample(200_000, seed=1)
+    feed([metric], kld, p_diff, batch=10_000)
+    assert metric.state_bytes() == size
+    assert all(isinstance(v, torch.Tensor) for v in metric.metric_state.values())  # no per-token lists
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_histogram_counts_are_the_same_at_any_world_size(exact):
+    kld, p_diff = sample(50_000, seed=2)
+    one = merged(kld, p_diff, ranks=1, batch=50_000, exact=exact)
+    for ranks, batch in ((2, 1000), (3, 777), (8, 64)):
+        many = merged(kld, p_diff, ranks=ranks, batch=batch, exact=exact)
+        for name in HISTOGRAMS:
+            for state in ("counts", "lowest", "highest"):
+                assert torch.equal(getattr(many, f"{name}_{state}"), getattr(one, f"{name}_{state}")), (ranks, state)
+            assert getattr(many, f"{name}_counts").dtype == torch.int64
+        a, b = many.compute(), one.compute()
+        read_back = [k for k in a if k.startswith(("kld_p", "p_diff_p")) or k.endswith(("_min", "_max"))]
+        assert len(read_back) == 24 and {k: a[k] for k in read_back} == {k: b[k] for k in read_back}
+        if exact:  # deterministic mode: the whole report is bit-identical
+            assert a == b
+
+
+def test_counts_stay_int64_through_set_dtype():
+    metric = KLDivergence()
+    metric.set_dtype(torch.float64)  # what the module does after a precision plugin's cast
+    assert metric.kld_counts.dtype == metric.p_diff_counts.dtype == torch.int64
+    assert metric.kld_lowest.dtype == torch.float64
+
+
+def test_percentiles_of_few_values_and_an_empty_batch():
     metric = KLDivergence()
     z = torch.zeros(4, dtype=torch.float64)
     metric.update(z, z, z, z, torch.ones(4, dtype=torch.bool))
     metric.update(z[:0], z[:0], z[:0], z[:0], torch.ones(0, dtype=torch.bool))  # an empty padding batch
     out = metric.compute()
     assert out["tokens"] == 4 and out["kld_mean"] == 0.0 and out["same_top"] == 1.0
+    assert out["kld_max"] == out["kld_p99.9"] == out["p_diff_p50"] == out["p_diff_min"] == 0.0
+    one = KLDivergence()
+    x = torch.tensor([0.25], dtype=torch.float64)
+    one.update(x, x, x, -x, torch.ones(1, dtype=torch.bool))
+    out = one.compute()
+    assert out["kld_p50"] == out["kld_min"] == 0.25 and out["p_diff_p99"] == -0.25  # one value: exact
+
+
+def test_histogram_bins_and_doctests():
+    bins = HISTOGRAMS["p_diff"]
+    values = [-2.0, -1.0, -0.5, -1e-16, 0.0, 1e-16, 1e-15, 0.5, 1.0, 2.0, float("inf"), float("nan")]
+    idx = bins.index(torch.tensor(values, dtype=torch.float64))
+    assert idx.tolist() == sorted(idx.tolist())
+    assert idx[0] == 0 and idx[1] > 0 and idx[8] < idx[9] == idx[10] == idx[11] == bins.size - 1  # ±1 has a bin
+    assert idx[3] == idx[4] == idx[5] == bins.per_side + 1  # |Δp| < 1e-15: the underflow bin
+    points = bins.points()
+    assert torch.all(points[1:] > points[:-1])
+    assert doctest.testmod(histogram).failed == 0
+    with pytest.raises(ValueError, match="needs 0 < low < high"):
+        histogram.LogBins(low=1.0, high=0.5)
+
+
+def _sync_worker(rank: int, store: str, out: str) -> None:
+    """One gloo rank: its round-robin share of the batches, then the metric's own sync in compute()."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    kld, p_diff = sample(40_000, seed=3)
+    results = {}
+    for exact in (False, True):
+        both = [KLDivergence(exact=exact), KLDivergence(exact=exact)]
+        feed(both, kld, p_diff, batch=999)  # this rank keeps its share only
+        mine = both[rank]
+        counts = mine.kld_counts.clone()
+        results[exact] = (mine.compute(), counts)
+        assert torch.equal(mine.kld_counts, counts)  # unsync() restored the local state
+    torch.save(results, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_histograms_sync_across_two_gloo_ranks(tmp_path):
+    """A real all-reduce sync (sum, min, max) gives what one process gets from all the tokens."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "result"
+    mp.start_processes(_sync_worker, args=(str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
+    r0, r1 = (torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1))
+    kld, p_diff = sample(40_000, seed=3)
+    for exact in (False, True):
+        single = merged(kld, p_diff, ranks=1, batch=999, exact=exact).compute()
+        assert r0[exact][0] == r1[exact][0]  # every rank reports the same
+        got = r0[exact][0]
+        read_back = [k for k in got if k.startswith(("kld_p", "p_diff_p")) or k.endswith(("_min", "_max"))]
+        assert len(read_back) == 24 and {k: got[k] for k in read_back} == {k: single[k] for k in read_back}
+        assert got["tokens"] == 40_000 and got["kld_mean"] == pytest.approx(single["kld_mean"], rel=1e-12)
+        if exact:
+            assert got == single
+        assert int(r0[exact][1].sum()) + int(r1[exact][1].sum()) == 40_000  # each rank held only its share

@@ -75,6 +75,9 @@ def test_same_perplexity_at_every_world_size(docs_file, reference, tmp_path, str
     assert r["ppl"] == pytest.approx(ref["ppl"], rel=rel)
     # Exact sharding: per-rank token counts add up, and every rank ran the same number of steps.
     assert sum(r["rank_tokens"]) == ref["tokens"] and len(set(r["rank_steps"])) == 1
+    # Every rank reports its own peak memory (gathered like the token counts); no device figure on CPU.
+    assert len(r["rank_peak_rss_mb"]) == world and min(r["rank_peak_rss_mb"]) > 0
+    assert r["rank_peak_device_mb"] is None
 
 
 def test_fewer_windows_than_ranks(tmp_path, reference):

@@ -8,6 +8,7 @@ import sys
 import pytest
 from conftest import ROOT, run_entry
 
+from lit_ppl.results import per_rank
 from lit_ppl.validate import evaluate
 
 REQUIRED_KEYS = {
@@ -45,6 +46,12 @@ def test_offline_default_in_process(compose, tmp_path):
     assert 150 < r["ppl"] < 400
     assert r["tokens"] == r["bytes"] and r["documents"] == 1
     assert saved["config"]["model"]["path"] == "builtin"
+    # One peak RSS per rank (MB); no device figure on CPU.
+    assert len(saved["rank_peak_rss_mb"]) == 1 and saved["rank_peak_rss_mb"][0] > 0
+    assert saved["rank_peak_device_mb"] is None
+    # Many ranks print as their max and min, naming the ranks.
+    assert per_rank([500.0, 1200.4, 400.2, 700.0, 650.0]) == "max 1,200 (rank 1) · min 400 (rank 2)"
+    assert per_rank([500.0, 1200.4]) == "500 · 1,200"
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "64-true", "bf16-mixed"])
@@ -77,7 +84,7 @@ def test_module_entry_subprocess(tmp_path):
     proc, results = run_entry([], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert results is not None and results.keys() >= REQUIRED_KEYS
-    assert "token perplexity" in proc.stdout and "random weights" in proc.stdout
+    assert "token perplexity" in proc.stdout and "random weights" in proc.stdout and "peak RSS per rank" in proc.stdout
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from lit_ppl.data import Corpus, WindowCollator
+from lit_ppl.data import WindowCollator
+from lit_ppl.tokens import Corpus
 from lit_ppl.windows import build_windows
 
 L = 8
@@ -13,7 +14,7 @@ EDGE_LENGTHS = [1, L - 1, L, L + 1, 5 * L]
 def _corpus(lengths):
     """Token ids that encode (document, position) so every target can be traced back."""
     ids = [[1000 * (d + 1) + i for i in range(n)] for d, n in enumerate(lengths)]
-    return Corpus.from_dataset({"input_ids": ids, "words": [1] * len(ids), "bytes": [n for n in lengths]}, 0)
+    return Corpus.from_lists(ids, [1] * len(ids), list(lengths), 0)
 
 
 def _scored(mode, lengths, stride=None):
