@@ -3,13 +3,17 @@
 On one CUDA device: a ~1.1B Llama (TinyLlama's shape: hidden 2048, 22 layers, 32 heads / 4 KV heads,
 vocab 32k) built from a config with random weights and saved in bf16, evaluated by lit-ppl (``bf16-true``,
 rolling windows of 2048, batch 8) over WikiText-2 validation, against the raw ``inference_mode`` loop on
-the same batches (target 1's ratio), then with ``quant=int4`` (torchao's CUDA tinygemm kernel). MFU is the
+the same batches (target 1's ratio), then with ``quant=int4`` (torchao's CUDA tinygemm kernel) and with
+``quant=awq quant.name=int4`` (AWQ calibrated on Shakespeare, issue 13), then GPTQ (``quant=gptq``, int4 and int8:
+torchao's CUDA-only ``gptq_quantize`` from Hessians that lit-ppl sums in float64; int4 also needs the ``mslk``
+package, and without it the run is reported as refused, with lit-ppl's one-line reason). MFU is the
 achieved model FLOP/s over the device's dense bf16 peak:
 
     FLOPs/token = 2 · (non-embedding parameters) + 2 · hidden · vocab (the head)
                   + 4 · layers · hidden · (mean attended positions ≈ (seq_len + 1) / 2)
 
-It fails loudly (exit status 2) without CUDA. Budget: under 5 minutes including the model's creation.
+It fails loudly (exit status 2) without CUDA. Budget: under 5 minutes including the model's creation, plus about
+a minute per GPTQ run (torchao's column loop, 154 layers); ``--skip-gptq`` leaves them out.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--text-bytes", type=int, default=0, help="cut the text (0: whole, ~670k tokens)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--skip-gptq", action="store_true", help="leave out the two GPTQ runs")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "lit_ppl_gpu_check")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -77,12 +82,41 @@ def main() -> None:
     del lm
     torch.cuda.empty_cache()
     q = lit_ppl(model, text, args.work, *common, "quant=int4", trainer="default")
+    # AWQ on int4 (issue 13): torchao's CUDA int4 tensor takes the activation pre-scale that the CPU ones lack.
+    # The calibration text is Shakespeare, not the evaluated WikiText-2 (lit-ppl refuses the evaluated text).
+    from common import SHARED
+
+    awq = ("quant=awq", "quant.name=int4", "quant.group_size=128", "quant.calibration.tokens=16384",
+           f"quant.calibration.path={SHARED / 'tinyshakespeare.txt'}",
+           f"quant.calibration.cache_dir={args.work / 'cache'}")  # fmt: skip
+    a = lit_ppl(model, text, args.work, *common, *awq, trainer="default")
+    if not all(m.get("method") == "awq" for m in a["quant"]["modules"].values() if m["config"]):
+        sys.exit(f"gpu_check: quant=awq int4 left layers uncalibrated: {a['quant']['modules']}")
+    gptq: dict[str, dict | str] = {}
+    for bits in () if args.skip_gptq else ("int4", "int8"):
+        # The same calibration text and size as AWQ; int4 GPTQ needs mslk (lit-ppl refuses without it).
+        run = ("quant=gptq", f"quant.name={bits}", *awq[2:])
+        try:
+            gptq[bits] = lit_ppl(model, text, args.work, *common, *run, trainer="default")
+        except ValueError as err:
+            gptq[bits] = f"refused: {err}"
+            continue
+        if not all(m.get("method") == "gptq" for m in gptq[bits]["quant"]["modules"].values() if m["config"]):
+            sys.exit(f"gpu_check: quant=gptq {bits} left layers uncalibrated: {gptq[bits]['quant']['modules']}")
+        if gptq[bits]["quant"]["consistency"]["world_size"] != 1:
+            sys.exit("gpu_check: expected one rank")
     rows = [
         {"run": "raw loop bf16", "tok/s": raw_tps, "MFU": f"{flops_per_token * raw_tps / peak:.1%}", "ppl": "-"},
         {"run": "lit-ppl bf16", "tok/s": lit_tps, "MFU": f"{flops_per_token * lit_tps / peak:.1%}",
          "ppl": f"{r['ppl']:.2f}"},
         {"run": "lit-ppl int4 (tinygemm)", "tok/s": q["tokens"] / q["seconds"], "MFU": "-", "ppl": f"{q['ppl']:.2f}"},
+        {"run": "lit-ppl int4 AWQ (tinygemm)", "tok/s": a["tokens"] / a["seconds"], "MFU": "-",
+         "ppl": f"{a['ppl']:.2f}"},
     ]  # fmt: skip
+    for bits, g in gptq.items():
+        if isinstance(g, dict):
+            rows.append({"run": f"lit-ppl {bits} GPTQ", "tok/s": g["tokens"] / g["seconds"], "MFU": "-",
+                         "ppl": f"{g['ppl']:.2f}"})  # fmt: skip
     print(
         f"\n{name} · {n_params / 1e9:.2f}B params · {r['tokens']:,} tokens · rolling {args.seq_len} · batch "
         f"{args.batch_size} · {flops_per_token / 1e9:.2f} GFLOP/token · peak {peak / 1e12:.0f} TFLOP/s"
@@ -90,6 +124,17 @@ def main() -> None:
     print(table(rows, ["run", "tok/s", "MFU", "ppl"]))
     print(f"\nframework overhead ratio (lit-ppl / raw): {lit_tps / raw_tps:.3f} (goal >= 0.95)")
     print(f"int4 vs bf16 perplexity: {q['ppl'] / r['ppl'] - 1:+.2%} (random weights: only a sanity check)")
+    cal = a["quant"]["calibration"]
+    print(f"int4 AWQ: {cal['tokens']:,} calibration tokens, {cal['seconds']:.1f} s; {a['ppl'] / r['ppl'] - 1:+.2%} ppl")
+    for bits, g in gptq.items():
+        if isinstance(g, str):
+            print(f"{bits} GPTQ: {g}")
+        else:
+            cal = g["quant"]["calibration"]
+            print(f"{bits} GPTQ: {cal['tokens']:,} calibration tokens, {cal['seconds']:.1f} s (Hessians + GPTQ); "
+                  f"{g['ppl'] / r['ppl'] - 1:+.2%} ppl")  # fmt: skip
+    if args.skip_gptq:
+        print("GPTQ: skipped (--skip-gptq)")
     print(f"total {time.perf_counter() - t0:.0f} s")
 
 

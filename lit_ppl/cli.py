@@ -27,7 +27,7 @@ import inspect
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -80,24 +80,66 @@ class EvalOptions:
 
 
 @dataclass
-class QuantOptions:
-    """Weight quantization (the ``quant=`` group); ``None`` takes ``conf/quant/<name>.yaml``'s value.
+class CalibrationOptions:
+    """Calibration text of ``awq``/``gptq`` (``quant.calibration`` in ``conf/quant/awq.yaml``, read by
+    :class:`lit_ppl.calibrate.CalibrationSpec`); ``None`` takes the method file's value.
 
     Attributes:
-        name: ``none``, ``int8``, ``int8dq``, ``int4`` or ``policy``.
+        path: calibration text (not the evaluated text), read like ``--data.path``.
+        format: as ``--data.format``.
+        text_field: as ``--data.text_field``.
+        document_separator: as ``--data.document_separator``.
+        encoding_errors: as ``--data.encoding_errors``.
+        limit: only the first N documents.
+        cache_dir: token cache (default: ``--data.cache_dir``).
+        seq_len: tokens per calibration window.
+        tokens: calibration tokens (fewer if the text is shorter).
+        batch_size: windows per forward pass.
+        grid: AWQ's candidate scales per layer.
+        allow_overlap: accept calibration text identical to the evaluated text.
+    """
+
+    path: str | None = None
+    format: str | None = None
+    text_field: str | None = None
+    document_separator: str | None = None
+    encoding_errors: str | None = None
+    limit: int | None = None
+    cache_dir: str | None = None
+    seq_len: int | None = None
+    tokens: int | None = None
+    batch_size: int | None = None
+    grid: int | None = None
+    allow_overlap: bool | None = None
+
+
+@dataclass
+class QuantOptions:
+    """Weight quantization (the ``quant=`` group); ``None`` takes the group file's value.
+
+    The group file is ``conf/quant/<name>.yaml``, or with a calibrated ``method`` that method's file (it holds the
+    calibration defaults): ``--quant.method=awq`` is ``quant=awq``, ``--quant.method=awq --quant.name=int4`` is
+    ``quant=awq quant.name=int4``.
+
+    Attributes:
+        name: ``none``, ``int8``, ``int8dq``, ``int4`` or ``policy`` (``None``: ``none``, or the method file's).
+        method: ``rtn`` (round-to-nearest), ``awq`` or ``gptq`` (calibrated: CUDA only).
         group_size: ``int4`` group size (32, 64, 128 or 256).
         backend: ``int4`` backend: ``auto``, ``tinygemm``, ``prototype`` or ``intx``.
         head: also quantize the output head (and tied embeddings).
         source: ``local`` (every rank quantizes) or ``rank0`` (rank 0 quantizes and broadcasts).
-        rules: ``policy``'s ordered rules, e.g. ``[{role: mlp, config: int8}]``.
+        rules: ``policy``'s ordered rules, e.g. ``[{role: mlp, config: int8, method: awq}]``.
+        calibration: the calibration text of ``awq``/``gptq``.
     """
 
-    name: str = "none"
+    name: str | None = None
+    method: Literal["rtn", "awq", "gptq"] | None = None
     group_size: int | None = None
     backend: str | None = None
     head: bool | None = None
     source: str | None = None
     rules: list[dict[str, Any]] | None = None
+    calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
 
 
 @dataclass
@@ -153,6 +195,18 @@ def _add_plain_arguments(parser: LightningArgumentParser, values: dict[str, Any]
 def _overlay(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """``base`` with every value that was actually given (not ``None``) put over it."""
     return {**base, **{k: v for k, v in given.items() if v is not None}}
+
+
+def _quant(given: dict[str, Any]) -> dict[str, Any]:
+    """The ``quant`` group: its file (the calibrated method's, else the name's) with the given values over it."""
+    given = dict(given)
+    calibration = {k: v for k, v in (given.pop("calibration") or {}).items() if v is not None}
+    method = given.get("method")
+    base = _load("quant", method if method in ("awq", "gptq") else given["name"] or "none")
+    cfg = _overlay(base, given)
+    if calibration or "calibration" in base:
+        cfg["calibration"] = {**(base.get("calibration") or {}), **calibration}
+    return cfg
 
 
 class PerplexityCLI(LightningCLI):
@@ -230,7 +284,7 @@ def to_hydra_config(ns: Any) -> DictConfig:
         "eval": _overlay(_load("eval", ev["mode"]), ev),
         "trainer": given,
         "strategy": {"name": strategy},
-        "quant": _overlay(_load("quant", opts["quant"]["name"]), opts["quant"]),
+        "quant": _quant(opts["quant"]),
         "compare": opts["compare"],
         "precision": str(precision),
         "seed": int(opts["seed_everything"]),

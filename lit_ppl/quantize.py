@@ -13,8 +13,10 @@ once, for both, so the tie holds; when the rules give the two different schemes 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,7 @@ SCHEMES = ("none", "int8", "int8dq", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
 INT4_BACKENDS = ("auto", "tinygemm", "prototype", "intx")
 SOURCES = ("local", "rank0")
+METHODS = ("rtn", "awq", "gptq")  # round-to-nearest, activation-aware (calibrated: lit_ppl.calibrate), GPTQ
 
 
 class RankMismatchError(RuntimeError):
@@ -59,12 +62,17 @@ NONE = Scheme("none")
 
 @dataclass(frozen=True)
 class Rule:
-    """Modules whose name matches ``match`` (``re.search``) or that play ``role`` get ``scheme``."""
+    """Modules whose name matches ``match`` (``re.search``) or that play ``role`` get ``scheme`` by ``method``."""
 
     scheme: Scheme
     match: str | None = None
     role: str | None = None
     why: str = ""
+    method: str = "rtn"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"quant.method={self.method!r} ({self.why or 'rule'}) is not one of {', '.join(METHODS)}")
 
     def matches(self, name: str, roles: set[str]) -> bool:
         return (self.match is not None and re.search(self.match, name) is not None) or self.role in roles
@@ -87,6 +95,7 @@ class QuantReport:
     full_precision_bytes: int = 0  # parameters left unquantized (norms, biases, skipped and excluded layers)
     converted: dict[str, str] = field(default_factory=dict)  # modules made nn.Linear first: name -> former class
     consistency: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, Any] | None = None  # calibrated methods: the text, its tokens, the time (lit_ppl.calibrate)
 
     @property
     def quantized_modules(self) -> int:
@@ -116,12 +125,14 @@ class QuantReport:
             "converted": self.converted,
             "modules": self.modules,
             "consistency": self.consistency,
+            "calibration": self.calibration,
         }
 
 
 def rules_from_cfg(cfg: dict[str, Any]) -> list[Rule]:
     """The ordered rules of a ``quant`` config: one catch-all rule for ``int8``/``int8dq``/``int4``, or ``rules``."""
     name = cfg.get("name", "none")
+    method = cfg.get("method", "rtn")
     if name == "policy":
         rules = []
         for i, r in enumerate(cfg.get("rules") or []):
@@ -130,19 +141,50 @@ def rules_from_cfg(cfg: dict[str, Any]) -> list[Rule]:
             if r.get("role") is not None and r["role"] not in ROLES:
                 raise ValueError(f"quant.rules[{i}].role={r['role']!r} is not one of {', '.join(ROLES)}")
             scheme = Scheme(r.get("config", "none"), r.get("group_size", cfg.get("group_size")))
-            rules.append(Rule(scheme, r.get("match"), r.get("role"), f"rule {i} ({r.get('role') or r.get('match')})"))
+            why = f"rule {i} ({r.get('role') or r.get('match')})"
+            rules.append(Rule(scheme, r.get("match"), r.get("role"), why, r.get("method", method)))
         if not rules:
             raise ValueError("quant=policy needs quant.rules: a list of {role|match, config[, group_size]}")
         return rules
     scheme = Scheme(name, cfg.get("group_size") if name == "int4" else None)
     keep_head = [] if cfg.get("head", False) else [Rule(NONE, role="head", why="output head kept (quant.head=false)")]
-    return [*keep_head, Rule(scheme, role="linear", why=f"quant={name}")]
+    return [*keep_head, Rule(scheme, role="linear", why=f"quant={name}", method=method)]
+
+
+def uses(rules: list[Rule], method: str) -> bool:
+    return any(r.method == method and r.scheme.kind != "none" for r in rules)
+
+
+def method_problem(rule: Rule, kernel: str | None, target: Target, tied: bool, device: torch.device) -> str | None:
+    """Why ``rule.method`` cannot run on this target here (``None`` if it can): torchao's own limits."""
+    if rule.method == "rtn":
+        return None
+    where = f"quant.method={rule.method} ({rule.describe()})"
+    if rule.method == "gptq" and device.type != "cuda":
+        return f"{where} needs CUDA (torchao: 'GPTQ only supports CUDA currently'); use method=awq or rtn on CPU"
+    if target.kind != "linear" or tied:
+        what = "a tied head/embedding table" if tied else f"an {target.kind} weight"  # embedding or experts
+        return f"{where} calibrates on a linear layer's inputs; {what} has none: give it method=rtn"
+    if rule.scheme.kind == "int8dq":
+        return f"{where} is weight-only in torchao; int8dq also quantizes activations: use config int8, or method=rtn"
+    if rule.method == "gptq":
+        if rule.scheme.kind == "int4" and kernel != "tinygemm":
+            return f"{where} on int4 builds torchao's CUDA Int4Tensor: run with precision=bf16-true, or use config int8"
+        if rule.scheme.kind == "int4" and importlib.util.find_spec("mslk") is None:
+            return f"{where} on int4 needs the mslk package (torchao's int4 GPTQ kernels): install it, or use int8"
+        return None
+    if rule.scheme.kind == "int4" and kernel != "tinygemm":
+        return (
+            f"{where} on int4 needs torchao's CUDA int4 tensor (activation pre-scaling; IntxWeightOnlyConfig and the "
+            f"CPU prototype lack it): run on a GPU with precision=bf16-true, or use config int8 on {device.type}"
+        )
+    return None
 
 
 def plan(
     lm: nn.Module, rules: list[Rule], backend: str = "auto"
-) -> tuple[dict[str, tuple[Scheme, str | None]], dict[str, dict[str, Any]], dict[str, Target]]:
-    """Decide each target's scheme: ``({name: (scheme, int4 backend)}, {name: report entry}, targets)``."""
+) -> tuple[dict[str, tuple[Scheme, str | None, str]], dict[str, dict[str, Any]], dict[str, Target]]:
+    """Decide each target's scheme: ``({name: (scheme, int4 backend, method)}, {name: report entry}, targets)``."""
     targets = find_targets(lm)
     decided: dict[str, tuple[Scheme, Rule | None]] = {}
     for name, target in targets.items():
@@ -158,13 +200,13 @@ def plan(
             owner[key] = name
     for second, first in tied.items():
         (s1, r1), (s2, r2) = decided[first], decided[second]
-        if r1 and r2 and s1 != s2:
+        if r1 and r2 and (s1, r1.method) != (s2, r2.method):
             raise ValueError(
                 f"{first} and {second} share one weight (tied embeddings) but the rules give {s1.label} "
                 f"({r1.describe()}) and {s2.label} ({r2.describe()}); give both the same config"
             )
         decided[first] = decided[second] = (s1, r1) if r1 else (s2, r2)
-    apply_: dict[str, tuple[Scheme, str | None]] = {}
+    apply_: dict[str, tuple[Scheme, str | None, str]] = {}
     report: dict[str, dict[str, Any]] = {}
     for name, (scheme, rule) in decided.items():
         target = targets[name]
@@ -186,13 +228,16 @@ def plan(
             )
         embedding = target.kind == "embedding"
         kernel = int4_backend(backend, weight.device, weight.dtype, embedding) if scheme.kind == "int4" else None
+        refused = method_problem(rule, kernel, target, name in tied or name in tied.values(), weight.device)
+        if refused:
+            raise ValueError(f"{name}: {refused}")
         problem = shape_problem(scheme, kernel, weight)
         if problem:
             entry["requested"], entry["reason"] = scheme.label, problem
         else:
-            entry["config"] = scheme.label
+            entry["config"], entry["method"] = scheme.label, rule.method
             if name not in tied:  # the tied twin is quantized through its first name
-                apply_[name] = (scheme, kernel)
+                apply_[name] = (scheme, kernel, rule.method)
         report[name] = entry
     return apply_, report, targets
 
@@ -257,6 +302,17 @@ def torchao_config(scheme: Scheme, backend: str | None) -> tuple[Any, str]:
         return PrototypeInt4WeightOnlyConfig(group_size=g), f"PrototypeInt4WeightOnlyConfig(group_size={g}) (CPU)"
     cfg = IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(g))
     return cfg, f"IntxWeightOnlyConfig(int4, PerGroup({g})) (int4 values stored one per int8, any device)"
+
+
+def gptq_base_config(scheme: Scheme) -> tuple[Any, str]:
+    """The torchao base config GPTQ quantizes to (``GPTQConfig.base_config``): int8 per row, or int4's plain
+    ``Int4Tensor`` (the one ``gptq_quantize`` builds), and its description."""
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
+
+    if scheme.kind == "int8":
+        return Int8WeightOnlyConfig(), "GPTQ (torchao gptq_quantize) to Int8WeightOnlyConfig (Int8Tensor, per-row)"
+    g = scheme.group_size
+    return Int4WeightOnlyConfig(group_size=g), f"GPTQ (torchao gptq_quantize) to Int4Tensor(group_size={g}) (CUDA)"
 
 
 def inner_tensors(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -337,8 +393,12 @@ def broadcast_from_rank0(lm: nn.Module, names: list[str]) -> None:
         setattr(mod, attr, nn.Parameter(box[0].to(device), requires_grad=False))
 
 
-def quantize_model(lm: nn.Module, cfg: dict[str, Any]) -> QuantReport:
-    """Apply the ``quant`` config ``cfg`` to ``lm`` in place and return the report."""
+def quantize_model(lm: nn.Module, cfg: dict[str, Any], calibration: Any = None) -> QuantReport:
+    """Apply the ``quant`` config ``cfg`` to ``lm`` in place and return the report.
+
+    ``calibration`` (a :class:`lit_ppl.calibrate.Calibration`) is the text of calibrated methods (``awq``,
+    ``gptq``).
+    """
     from torchao.quantization import FqnToConfig, quantize_
 
     source = cfg.get("source", "local")
@@ -366,8 +426,40 @@ def quantize_model(lm: nn.Module, cfg: dict[str, Any]) -> QuantReport:
         # torchao's tensors run in F.linear, not in the grouped-matmul kernels of transformers' default experts.
         lm.set_experts_implementation("eager")
         report.backend["experts"] = "transformers' eager experts loop (F.linear per expert)"
-    for scheme, kernel in sorted(set(todo.values()), key=lambda sk: (sk[0].label, sk[1] or "")):
-        names = {n for n, sk in todo.items() if sk == (scheme, kernel)}
+    calibrated = {n: torchao_config(s, k)[0] for n, (s, k, m) in todo.items() if m == "awq"}
+    gptq = {n: gptq_base_config(s)[0] for n, (s, k, m) in todo.items() if m == "gptq"}
+    if calibrated or gptq:
+        if calibration is None:
+            method = "awq" if calibrated else "gptq"
+            raise ValueError(f"quant.method={method} needs calibration text: set quant.calibration.path=FILE")
+        from lit_ppl.awq import run_awq
+        from lit_ppl.gptq import apply_gptq, gptq_hessians
+
+        for s, k, m in {v for v in todo.values() if v[2] != "rtn"}:
+            label = f"{s.label} ({k})" if k and m == "awq" else s.label  # GPTQ's int4 is its own Int4Tensor
+            what = f"AWQ scales (lit_ppl.awq) over {torchao_config(s, k)[1]}" if m == "awq" else None
+            report.backend[f"{m} {label}"] = what or f"{gptq_base_config(s)[1]}, Hessians reduced by lit_ppl.gptq"
+        # Calibrated on the float model before any round-to-nearest layer changes its inputs (torchao's order:
+        # every observer sees float activations): GPTQ's Hessians first, then AWQ, then GPTQ's quantization.
+        # Under source=rank0, rank 0 alone calibrates on the whole set.
+        if not (broadcast and rank != 0):
+            where = (0, 1) if broadcast else (rank, size)
+            t0 = time.perf_counter()
+            hessians = gptq_hessians(lm, sorted(gptq), calibration, *where) if gptq else {}
+            choices: dict[str, dict[str, Any]] = {}
+            if calibrated:
+                choices, report.calibration = run_awq(lm, calibrated, calibration, *where)
+            if gptq:
+                choices.update(apply_gptq(lm, gptq, hessians))
+                info = report.calibration or {**calibration.describe(), "world_size": where[1]}
+                methods = "awq+gptq" if calibrated else "gptq"
+                report.calibration = {**info, "method": methods, "seconds": time.perf_counter() - t0}
+            for name, choice in choices.items():
+                report.modules[name].update(choice)
+    for scheme, kernel in sorted(
+        {(s, k) for s, k, m in todo.values() if m == "rtn"}, key=lambda sk: (sk[0].label, sk[1] or "")
+    ):
+        names = {n for n, skm in todo.items() if skm == (scheme, kernel, "rtn")}
         config, backend = torchao_config(scheme, kernel)
         report.backend[f"{scheme.label} ({kernel})" if kernel else scheme.label] = backend
         if broadcast and rank != 0:
@@ -413,15 +505,29 @@ def quantize_model(lm: nn.Module, cfg: dict[str, Any]) -> QuantReport:
     return report
 
 
-def build(cfg: dict[str, Any]) -> Callable[[nn.Module], QuantReport] | None:
+def build(
+    cfg: dict[str, Any], tokenizer: Any = None, evaluated: Any = None, timeout_s: float = 300.0
+) -> Callable[[nn.Module], QuantReport] | None:
     """The ``quantize(lm) -> QuantReport`` callable for a ``quant`` config, or ``None`` for ``quant=none``.
 
-    The rules are parsed now, so a bad config fails before any model is loaded.
+    The rules are parsed now, so a bad config fails before any model is loaded. A calibrated method needs the
+    model's ``tokenizer``; its calibration text is checked against ``evaluated`` (the evaluated
+    :class:`~lit_ppl.sources.DataSpec`) and tokenized now, before any process group exists (as the evaluated
+    text is), so that no rank waits inside a collective while another tokenizes.
     """
     cfg = dict(cfg)
     if cfg.get("name", "none") == "none":
         return None
-    rules_from_cfg(cfg)
+    rules = rules_from_cfg(cfg)
     if cfg.get("source", "local") not in SOURCES:
         raise ValueError(f"quant.source={cfg['source']!r} is not one of {', '.join(SOURCES)}")
-    return lambda lm: quantize_model(lm, cfg)
+    method = next((m for m in ("awq", "gptq") if uses(rules, m)), None)
+    if method is None:
+        return lambda lm: quantize_model(lm, cfg)
+    from lit_ppl.calibrate import Calibration, CalibrationSpec, prepare_calibration
+
+    spec = CalibrationSpec.from_cfg(cfg.get("calibration"), method)
+    if tokenizer is None:
+        raise ValueError(f"quant.method={method} needs the model's tokenizer to read quant.calibration.path")
+    store = prepare_calibration(spec, tokenizer, evaluated, timeout_s)
+    return lambda lm: quantize_model(lm, cfg, Calibration(spec, store))

@@ -150,7 +150,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         model_spec,
         cfg.eval.chunk_size,
         shard,
-        quantize.build(OmegaConf.to_container(cfg.quant, resolve=True)),
+        quantize.build(
+            OmegaConf.to_container(cfg.quant, resolve=True),
+            datamodule.tokenizer,  # calibrated methods tokenize their text now, like the evaluated text above
+            datamodule.spec,  # the evaluated text, which calibration text must not be
+            cfg.distributed.timeout_s,
+        ),
         timeout_s=cfg.distributed.timeout_s,
         compile_decoder=bool(cfg.compile),
         deterministic=deterministic,

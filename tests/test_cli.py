@@ -54,6 +54,41 @@ def test_flags_give_the_hydra_config(compose, tmp_path):
     assert {k: v for k, v in cfg["data"].items() if k in ref["data"]} == ref["data"]
 
 
+@pytest.mark.parametrize(
+    ("flags", "overrides"),
+    [
+        (["--quant.method=awq"], ["quant=awq"]),
+        (
+            ["--quant.method=awq", "--quant.name=int4", "--quant.calibration.grid=5"],
+            ["quant=awq", "quant.name=int4", "quant.calibration.grid=5"],
+        ),
+        (["--quant.method=gptq", "--quant.calibration.tokens=4096"], ["quant=gptq", "quant.calibration.tokens=4096"]),
+    ],
+)
+def test_calibrated_quant_flags_give_the_hydra_config(compose, tmp_path, flags, overrides):
+    """``--quant.method=awq`` is ``quant=awq``: the method's file, calibration defaults included, under the flags."""
+    cal = str(tmp_path / "calibration.txt")
+    cache = f"{tmp_path / 'cache'}"
+    cfg = cli_config(*flags, f"--quant.calibration.path={cal}", f"--data.cache_dir={cache}", "--output_dir=x")
+    ref = compose(*overrides, f"quant.calibration.path={cal}", f"data.cache_dir={cache}")
+    want = OmegaConf.to_container(ref, resolve=True)["quant"]
+    got = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)["quant"]
+    assert got == want
+
+
+def test_calibration_options_are_the_quant_files_keys():
+    """The CLI's ``--quant.calibration.*`` options are exactly the keys of ``conf/quant/awq.yaml``'s calibration."""
+    from dataclasses import fields
+
+    from lit_ppl.calibrate import DATA_KEYS, CalibrationSpec
+    from lit_ppl.cli import CalibrationOptions, _load
+
+    names = {f.name for f in fields(CalibrationOptions)}
+    assert names == set(_load("quant", "awq")["calibration"])
+    assert names == {*DATA_KEYS, *(f.name for f in fields(CalibrationSpec) if f.name != "data")} - {"data"}
+    assert set(_load("quant", "gptq")["calibration"]) == names - {"grid"}  # grid is AWQ's scale search
+
+
 def test_config_file_then_flags(tmp_path):
     (tmp_path / "run.yaml").write_text("model:\n  path: builtin\n  seed: 3\neval:\n  seq_len: 64\nbatch_size: 2\n")
     cfg = cli_config("--config", str(tmp_path / "run.yaml"), "--eval.seq_len", "32", "--output_dir", "x")
