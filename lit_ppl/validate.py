@@ -32,11 +32,11 @@ from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
-from lit_ppl import balance, compare, quantize, strategies
+from lit_ppl import balance, compare, loggers, quantize, strategies
 from lit_ppl.data import PerplexityDataModule
 from lit_ppl.distributed import RankFailure, first_line, rank
 from lit_ppl.module import PerplexityModule
-from lit_ppl.progress import TokensPerSecondBar
+from lit_ppl.progress import TokensPerSecondBar, set_verbose
 from lit_ppl.results import build_results, print_table, write_json_atomic, write_per_document
 from lit_ppl.resume import EXIT_PREEMPTED, Preempted, ResumeCallback, install_signal_handlers, requeue_if_slurm
 from lit_ppl.scorer import ScorerMismatchError
@@ -52,6 +52,7 @@ USER_ERRORS = (
     quantize.RankMismatchError,  # ranks quantized differently: the message names the modules
     ScorerMismatchError,  # an architecture whose logits lit-ppl's head path does not reproduce
     MisconfigurationException,  # Lightning's word for a bad precision, accelerator or device count
+    loggers.MissingPackageError,  # logger=mlflow etc. without its package: the line names the extra
 )
 
 
@@ -107,8 +108,10 @@ def check_output_dir(path: str) -> Path:
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Run one evaluation described by ``cfg``; return ``results.json``'s content (on every rank)."""
+    set_verbose(bool(cfg.get("verbose", False)))
     check_targets(cfg)
     check_output_dir(cfg.output_dir)
+    logger = loggers.build(cfg)  # before the model loads: a missing package fails in a second, not after loading
     L.seed_everything(cfg.seed, verbose=False)
     deterministic = bool(cfg.eval.deterministic)
     devices, num_nodes = int(cfg.trainer.devices), int(cfg.trainer.num_nodes)
@@ -170,6 +173,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         callbacks.append(
             ResumeCallback(Path(cfg.output_dir) / "progress", stable, cfg.resume.save_every, cfg.resume.check_every)
         )
+    if logger:
+        callbacks.append(loggers.TokensPerSecondLogger())  # after ResumeCallback: it counts from restored progress
     precision = strategies.precision_args(cfg.strategy.name, str(cfg.precision), str(cfg.trainer.accelerator))
     # Under Slurm, Lightning's own SIGUSR1 handler would save a training checkpoint and requeue;
     # lit-ppl saves its progress and requeues itself (lit_ppl.resume).
@@ -179,7 +184,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         strategy=strategy,
         **precision,
         plugins=plugins or None,
-        logger=False,
+        logger=logger,
         callbacks=callbacks,
         use_distributed_sampler=False,  # ours is exact: Lightning's repeats samples to even out ranks
         # no_grad, not inference_mode: torchao's quantized expert weights cannot be indexed under inference
@@ -211,6 +216,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     results.update(compare.extra_results(module))  # "quant", and "reference_quant"/"compare" when comparing
     if trainer.is_global_zero:
         write_outputs(cfg, results, module)
+    loggers.log_final(trainer, config, results, module.steps)
     return results
 
 
