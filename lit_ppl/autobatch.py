@@ -19,13 +19,14 @@ import contextlib
 import ctypes
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from lit_ppl.results import write_text_atomic
 
 DEFAULT_CACHE = Path("~/.cache/lit_ppl/autobatch.json")
 GiB = 2**30
@@ -168,12 +169,8 @@ def read_cache(path: Path) -> dict[str, int]:
 
 def write_cache(path: Path, key: str, batch_size: int) -> None:
     """Add one entry; the file is replaced atomically (concurrent runs may race, but never see half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     entries = {**read_cache(path), key: batch_size}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autobatch-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(entries, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(entries, indent=1, sort_keys=True))
 
 
 def auto_batch_size(

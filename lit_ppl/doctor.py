@@ -22,7 +22,6 @@ import platform
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +32,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lit_ppl.results import write_text_atomic
 
 # Distributions whose versions must agree across ranks; a mismatch here is the classic cause of
 # "works on one node, hangs on two". hydra-core is the distribution name of the `hydra` package.
@@ -592,26 +593,6 @@ def build_report(infos: Sequence[Mapping[str, Any]], live: Sequence[Mapping[str,
     }
 
 
-def write_json_atomic(path: Path, data: object) -> None:
-    """Writes JSON so that readers never see a half-written file.
-
-    Args:
-        path: Destination.
-        data: JSON-serialisable object.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # The temp file must live in the destination directory for os.replace to be an atomic rename.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2)
-            handle.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses the command line.
 
@@ -672,7 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if env.rank == 0:
         print_report(report)
         if args.json is not None:
-            write_json_atomic(args.json, report)
+            write_text_atomic(args.json, json.dumps(report, indent=2) + "\n")
         if report["ok"]:
             reduce_ms, barrier_ms = report["checks"][1]["ms"], report["checks"][2]["ms"]
             print(

@@ -14,7 +14,7 @@ matplotlib.use("Agg")  # files only: no display on cluster nodes or in CI
 import matplotlib.pyplot as plt  # the backend is chosen above, before pyplot loads
 import numpy as np
 
-from lit_ppl.report import quant_name
+from lit_ppl.results import quant_name  # not from report: report imports plots
 
 SMOOTH_ABOVE = 256  # positions; longer windows also get a binned curve
 SMOOTH_BINS = 128

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lit_ppl.results import SCHEMA_VERSION
+from lit_ppl.results import SCHEMA_VERSION, quant_name
 
 RESULTS = "results.json"
 REQUIRED = ("ppl", "ppl_ci95", "tokens", "world_size", "strategy", "precision", "config")
@@ -86,14 +86,6 @@ def load_run(path: str | Path) -> dict[str, Any]:
         raise ReportError(f"{file}: lacks {', '.join(missing)}")
     label = str(file.parent) if path.name == RESULTS or path.is_file() else str(path)
     return {**results, "run": label, "results_path": str(file)}
-
-
-def quant_name(run: dict[str, Any]) -> str:
-    """The run's quantization: the applied report's name, else the configured one, else ``none``."""
-    applied = run.get("quant")
-    if isinstance(applied, dict) and applied.get("name"):
-        return str(applied["name"])
-    return str(run.get("config", {}).get("quant", {}).get("name", "none"))
 
 
 def batch_size(run: dict[str, Any]) -> Any:

@@ -48,18 +48,18 @@ def rank_memory(rss_kib: list[int], device_bytes: list[int]) -> dict[str, list[f
     }
 
 
-def write_json_atomic(path: str | Path, obj: Any) -> Path:
-    """Write JSON to a temp file in the same directory, fsync, then rename over ``path``.
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to a temp file in the same directory, fsync, then rename over ``path``.
 
-    A crash or a full disk leaves the previous file intact, never a truncated one.
+    A crash or a full disk leaves the previous file intact, never a truncated one, and concurrent writers (one
+    per Slurm job of a sweep) replace it whole: a reader never sees half a file.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, allow_nan=False)
-            f.write("\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -67,6 +67,11 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> Path:
+    """``obj`` as strict JSON (no NaN/inf: other readers reject them), written by :func:`write_text_atomic`."""
+    return write_text_atomic(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
 
 
 def build_results(stats: dict[str, Any], run: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -100,6 +105,14 @@ def build_results(stats: dict[str, Any], run: dict[str, Any], config: dict[str, 
         "config": config,
         "versions": library_versions(),
     }
+
+
+def quant_name(run: dict[str, Any]) -> str:
+    """The run's quantization: the applied report's name, else the configured one, else ``none``."""
+    applied = run.get("quant")
+    if isinstance(applied, dict) and applied.get("name"):
+        return str(applied["name"])
+    return str(run.get("config", {}).get("quant", {}).get("name", "none"))
 
 
 def write_per_document(path: Path, tokens: Any, nll_sum: Any) -> Path:

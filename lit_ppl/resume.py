@@ -115,8 +115,7 @@ class ResumeCallback(Callback):
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        dm = trainer.datamodule
-        dm.setup(stage)
+        dm = trainer.datamodule  # set up already: Lightning runs the datamodule's setup before the callbacks'
         w = dm.windows
         # The token store's key names the files (path, size, mtime) and the tokenizer, wherever the cache is.
         store = dm.store.name if dm.store is not None else ""

@@ -26,7 +26,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from lit_ppl.results import write_text_atomic
 
 METRICS = ("ppl", "nll_stderr", "tokens", "precision", "quant", "world_size", "tokens_per_s")
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -145,22 +146,14 @@ def to_csv(rows: list[dict[str, Any]]) -> str:
     return out.getvalue()
 
 
-def _write_text(path: Path, text: str) -> None:
-    # A unique temp file, then rename: a reader (or a concurrent writer, one per Slurm job) never sees half a table.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_summary(sweep_dir: str | Path, output_subdir: str | None = ".hydra") -> tuple[Path, Path, str]:
     """Write ``summary.md`` and ``summary.csv`` into ``sweep_dir``; return their paths and the Markdown."""
     sweep_dir = Path(sweep_dir)
     rows = summarize(sweep_dir, output_subdir)
     markdown = to_markdown(rows)
     md, csv_path = sweep_dir / "summary.md", sweep_dir / "summary.csv"
-    _write_text(md, markdown)
-    _write_text(csv_path, to_csv(rows))
+    write_text_atomic(md, markdown)
+    write_text_atomic(csv_path, to_csv(rows))
     return md, csv_path, markdown
 
 

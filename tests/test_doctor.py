@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from lit_ppl.doctor import DistEnv, DistEnvError, check_consistency, resolve_dist_env, write_json_atomic
+from lit_ppl.doctor import DistEnv, DistEnvError, check_consistency, resolve_dist_env
+from lit_ppl.results import write_json_atomic
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
