@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 STORIES = SHARED / "stories260K"
 WIKITEXT = SHARED / "wikitext-2" / "valid.tokens.txt"
+TINYSTORIES = SHARED / "tinystories_sample.txt"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -76,7 +76,7 @@ def make_llama(
     """
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    cfg = {**LLAMA_41M, **shape, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True}
+    cfg = {**LLAMA_41M, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True, **shape}
     if (out / "config.json").is_file() and json.loads((out / "lit_ppl_shape.json").read_text()) == cfg:
         return out
     torch.manual_seed(seed)
@@ -119,7 +119,7 @@ def quiet():
 
 def lit_ppl(model: Path, text: Path, work: Path, *extra: str, trainer: str = "cpu") -> dict[str, Any]:
     """One in-process lit-ppl evaluation (rolling mode); returns its results (``seconds`` is the step loop)."""
-    from lit_ppl.validate import evaluate
+    from lit_ppl.run import evaluate
 
     cfg = compose(
         f"model.path={model}",
@@ -138,38 +138,24 @@ def lit_ppl(model: Path, text: Path, work: Path, *extra: str, trainer: str = "cp
 def raw_batches(model: Path, text: Path, work: Path, seq_len: int, batch_size: int) -> list[tuple[torch.Tensor, ...]]:
     """lit-ppl's own windows and batches (same windows, same order), prebuilt as plain tensors.
 
-    Built before the raw loop's clock starts, so the baseline pays nothing for batching: a strict bar.
+    Built before the raw loop's clock starts, so the baseline pays nothing for batching: a strict bar. Each is
+    ``(input_ids, score_index, targets)`` as lit-ppl's collator makes them, so both sides score the same tokens.
     """
     from lit_ppl.data import PerplexityDataModule
     from lit_ppl.models import ModelSpec
-    from lit_ppl.sampler import plan_batches
     from lit_ppl.sources import DataSpec
 
-    spec = ModelSpec(path=str(model))
     dm = PerplexityDataModule(
-        DataSpec(path=str(text), cache_dir=str(work / "cache")), spec.tokenizer(), "rolling", seq_len
+        DataSpec(path=str(text), cache_dir=str(work / "cache")),
+        ModelSpec(path=str(model)).tokenizer(),
+        "rolling",
+        seq_len,
+        batch_size=batch_size,
     )
     dm.setup()
-    tokens, scorable, w = dm.corpus.tokens, dm.corpus.scorable, dm.windows
     out = []
-    for ids in plan_batches(w.lengths, 1, batch_size)[0]:
-        width = int(max(w.end[i] - w.start[i] for i in ids))
-        input_ids = np.zeros((len(ids), width), dtype=np.int64)
-        index, targets = [], []
-        for row, i in enumerate(ids):
-            s, e = int(w.start[i]), int(w.end[i])
-            input_ids[row, : e - s] = tokens[s:e]
-            pos = np.arange(s + 1, e + 1)
-            keep = (pos >= w.score_from[i]) & scorable[pos]
-            index.append(row * width + np.flatnonzero(keep))
-            targets.append(tokens[pos[keep]])
-        out.append(
-            (
-                torch.from_numpy(input_ids),
-                torch.from_numpy(np.concatenate(index)),
-                torch.from_numpy(np.concatenate(targets)),
-            )
-        )
+    for batch in dm.val_dataloader():
+        out.append((batch["input_ids"], batch["score_index"], batch["targets"]))
     return out
 
 
@@ -179,25 +165,31 @@ def load_model(model: Path, dtype: torch.dtype) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval().requires_grad_(False)
 
 
+def raw_step(lm: torch.nn.Module, batch, total: torch.Tensor, chunk_size: int = 1024, device: str = "cpu") -> int:
+    """One step of the hand-written loop: decoder → scored positions → output head in chunks → float32
+    cross-entropy, added to the float64 ``total`` in place (no host sync). Returns the tokens scored."""
+    decoder, head = lm.get_decoder(), lm.get_output_embeddings()
+    input_ids, index, targets = (t.to(device, non_blocking=True) for t in batch)
+    hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+    scored = hidden.flatten(0, 1)[index]
+    for a in range(0, len(targets), chunk_size):
+        logits = head(scored[a : a + chunk_size]).float()
+        total += F.cross_entropy(logits, targets[a : a + chunk_size], reduction="none").double().sum()
+    return len(targets)
+
+
 def raw_loop(lm: torch.nn.Module, batches, chunk_size: int = 1024, device: str = "cpu") -> tuple[int, float, float]:
-    """The hand-written loop: decoder → scored positions → output head in chunks → float32 cross-entropy.
+    """The hand-written loop over ``batches``, under ``torch.inference_mode`` (:func:`raw_step` per batch).
 
     Same compute as lit-ppl's step (so the difference is the framework), no Lightning, no metric: the NLL
     sum accumulates in one float64 tensor, read once at the end. Returns ``(tokens, seconds, nll_sum)``.
     """
-    decoder, head = lm.get_decoder(), lm.get_output_embeddings()
     total = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
     t0 = time.perf_counter()
     with torch.inference_mode():
         for batch in batches:
-            input_ids, index, targets = (t.to(device, non_blocking=True) for t in batch)
-            hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
-            scored = hidden.flatten(0, 1)[index]
-            for a in range(0, len(targets), chunk_size):
-                logits = head(scored[a : a + chunk_size]).float()
-                total += F.cross_entropy(logits, targets[a : a + chunk_size], reduction="none").double().sum()
-            tokens += len(targets)
+            tokens += raw_step(lm, batch, total, chunk_size, device)
         nll_sum = float(total)  # the one host sync (on a GPU it waits for the queued work)
     return tokens, time.perf_counter() - t0, nll_sum
 

@@ -188,8 +188,8 @@ def prepare_child(cache: str, num_proc: str, corpus: str, model: str) -> None:
     workers import no main module (a ``python -m lit_ppl.fetch`` pool's workers import ``lit_ppl.fetch``)."""
     from common import compose
 
+    from lit_ppl.run import build
     from lit_ppl.tokens import Corpus, prepare
-    from lit_ppl.validate import build
 
     cfg = compose(f"model.path={model}", "data=text", f"data.path={corpus}", f"data.cache_dir={cache}")
     cfg.data.num_proc = int(num_proc)

@@ -1,4 +1,9 @@
-"""Target 5 — start-up: process start → first batch, cold and warm tokenization cache.
+"""Target 5 — start-up: the entry's --help against ``import torch``, then process start → first batch, cold and
+warm tokenization cache.
+
+First, best of 3 wall times of fresh processes, side by side: ``python -m lit_ppl.validate --help`` (composes the
+typed config and renders it; imports neither torch nor Lightning), ``python -c "import torch"``,
+``python -c "import lit_ppl.validate"`` and a bare ``python -c pass`` (the interpreter alone).
 
 Runs ``python -m lit_ppl.validate`` (the whole text by default) twice in fresh processes with a fresh
 ``data.cache_dir``: the first run tokenizes the text, the second must not (it memory-maps the token store
@@ -8,6 +13,7 @@ wrapper (``--child``) timestamps the stages inside the process: imports done, mo
 (scored); it then stops the process, unless ``--full`` asks for the whole run (the ``result`` column).
 
     python benchmarks/startup.py              # ~1 minute on 2 cores
+    python benchmarks/startup.py --entry-only # only the --help / import timings (no shared data needed)
 """
 
 from __future__ import annotations
@@ -69,17 +75,48 @@ def child(marks_path: str, overrides: list[str]) -> None:
     Path(marks_path).write_text(json.dumps(marks))
 
 
+ENTRY_COMMANDS = {
+    "python -c pass": ["-c", "pass"],
+    "python -m lit_ppl.validate --help": ["-m", "lit_ppl.validate", "--help"],
+    'python -c "import lit_ppl.validate"': ["-c", "import lit_ppl.validate"],
+    'python -c "import torch"': ["-c", "import torch"],
+}
+
+
+def entry_startup(repeats: int) -> list[dict]:
+    """Best-of-``repeats`` wall time of each command in a fresh process, interleaved so that load hits all alike."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    best = dict.fromkeys(ENTRY_COMMANDS, float("inf"))
+    for _ in range(repeats):
+        for name, args in ENTRY_COMMANDS.items():
+            t = time.perf_counter()
+            proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True)
+            elapsed = time.perf_counter() - t
+            if proc.returncode != 0:
+                sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
+            best[name] = min(best[name], elapsed)
+    torch_s = best['python -c "import torch"']
+    return [{"command": k, "best s": round(v, 3), "vs import torch": f"{v / torch_s:.2f}×"} for k, v in best.items()]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=STORIES)
     p.add_argument("--text-bytes", type=int, default=0, help="cut the text (0: whole)")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "lit_ppl_bench" / "startup")
     p.add_argument("--full", action="store_true", help="run to the result, not just the first batch")
+    p.add_argument("--repeats", type=int, default=3, help="best of N for the --help / import timings")
+    p.add_argument("--entry-only", action="store_true", help="only the --help / import timings")
     p.add_argument("--child", nargs="*", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
         child(args.child[0], args.child[1:])
         return
+    print(f"fresh processes, best of {args.repeats} · wall seconds")
+    print(table(entry_startup(args.repeats), ["command", "best s", "vs import torch"]))
+    if args.entry_only:
+        return
+    print()
     require_shared()
     text = cut_text(WIKITEXT, args.text_bytes or None, args.work / "text.txt")
     shutil.rmtree(args.work / "cache", ignore_errors=True)

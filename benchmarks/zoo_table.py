@@ -1,8 +1,9 @@
-"""The architecture table: each zoo family's reference PPL, lit-ppl at 1 process and under fsdp × 2, and int8.
+"""The architecture table: each zoo family's reference PPL, lit-ppl at 1 process, under fsdp × 2 and tp × 2, int8.
 
 Not a speed benchmark: the figures the architectures table in README.md and the closing notes quote. It builds the
 tiny random-init models of ``tests/zoo.py``, scores them with a plain Hugging Face float64 forward, then runs
-``python -m lit_ppl.validate`` on each (1 process, ``strategy=fsdp trainer.devices=2``, ``quant=int8``).
+``python -m lit_ppl.validate`` on each (1 process, ``strategy=fsdp trainer.devices=2``, ``strategy=tp
+trainer.devices=2``, ``quant=int8``).
 
     python benchmarks/zoo_table.py [--arch gpt2 --arch mixtral]    # ~5 minutes on 2 cores for all
 """
@@ -46,7 +47,8 @@ def main() -> None:
     root = Path(tempfile.gettempdir()) / "lit_ppl_bench" / "zoo"
     root.mkdir(parents=True, exist_ok=True)
     docs = zoo.write_documents(root / "docs.jsonl", documents)
-    header = ["family", "reference PPL", "1 process", "Δ rel", "fsdp × 2", "Δ rel", "int8 PPL", "int8 weights"]
+    header = ["family", "reference PPL", "1 process", "Δ rel", "fsdp × 2", "Δ rel", "tp × 2", "Δ rel", "int8 PPL"]
+    header += ["int8 weights"]
     print("| " + " | ".join([*header, "full precision"]) + " |")
     print("|---" + "|---:" * len(header) + "|")
     for arch in args.arch or zoo.ARCHITECTURES:
@@ -56,9 +58,10 @@ def main() -> None:
         out = root / "out" / arch
         one = run(path, docs, out / "one")
         two = run(path, docs, out / "fsdp2", "strategy=fsdp", "trainer.devices=2")
+        tp = run(path, docs, out / "tp2", "strategy=tp", "trainer.devices=2")
         q8 = run(path, docs, out / "int8", "quant=int8")
         cells = [arch, f"{ref:.6f}"]
-        for r in (one, two):
+        for r in (one, two, tp):
             ok = "error" not in r and r["tokens"] == tokens
             cells += [f"{r['ppl']:.6f}", f"{abs(r['ppl'] / ref - 1):.1e}"] if ok else [r.get("error", "tokens"), "—"]
         if "error" in q8:

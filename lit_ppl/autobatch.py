@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_ppl.errors import LitPplError
 from lit_ppl.results import write_text_atomic
 
 DEFAULT_CACHE = Path("~/.cache/lit_ppl/autobatch.json")
@@ -215,7 +216,7 @@ def auto_batch_size(
     best = largest_fitting(probe, max_batch)
     if best < 1:
         need = probe.measured.get(1)
-        raise ValueError(
+        raise LitPplError(
             f"one window of {seq_len} tokens does not fit in {budget / GiB:.2f} GiB"
             + (f" (it needs {need / GiB:.2f} GiB)" if need else "")
             + ": raise autobatch.max_memory_gb, lower eval.seq_len or eval.chunk_size"
@@ -225,27 +226,37 @@ def auto_batch_size(
     return best
 
 
-def resolve(trainer: Any, seq_len: int, **options: Any) -> int:
+def resolve(
+    scorer: Any,
+    seq_len: int,
+    *,
+    model: str,
+    precision: str,
+    chunk_size: int,
+    context: Any,
+    device: torch.device,
+    **options: Any,
+) -> int:
     """``batch_size=auto`` inside a run (from the datamodule's ``val_dataloader``, after the model is built).
 
-    Probes the module's scorer under the precision plugin's step context, then takes the smallest answer over
-    the ranks: every rank must plan the same batches, or their step counts differ and a collective waits.
-    ``options``: :func:`auto_batch_size`'s ``max_memory_gb``, ``max_batch``, ``cache``.
+    Probes ``scorer`` (a whole model on this rank: split layouts are refused before loading, by
+    :func:`check_layout`) under the precision's step ``context``, then takes the smallest answer over the ranks:
+    every rank must plan the same batches, or their step counts differ and a collective waits. ``options``:
+    :func:`auto_batch_size`'s ``max_memory_gb``, ``max_batch``, ``cache``.
     """
-    module = trainer.lightning_module
-    if getattr(module, "shard", None) is not None:
-        raise ValueError("batch_size=auto probes each rank's model alone; with strategy=fsdp/hsdp give a number")
     best = auto_batch_size(
-        module.scorer,
-        seq_len,
-        model=module.spec.path,
-        precision=str(trainer.precision),
-        chunk_size=module.chunk_size,
-        context=trainer.precision_plugin.val_step_context,
-        **options,
+        scorer, seq_len, model=model, precision=precision, chunk_size=chunk_size, context=context, **options
     )
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        agreed = torch.tensor(best, device=module.device)
+        agreed = torch.tensor(best, device=device)
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
         best = int(agreed)
     return best
+
+
+def check_layout(batch_size: int | str, layout: Any) -> None:
+    """``batch_size=auto`` probes one rank's model alone: with a split model there is no such thing."""
+    if batch_size == "auto" and layout.sharded:
+        raise LitPplError(
+            f"batch_size=auto probes each rank's model alone; with a split model (layout {layout.kind}) give a number"
+        )

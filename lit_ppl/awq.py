@@ -14,7 +14,7 @@ so memory does not grow with the calibration set, and each is summed over the ra
    layer, computed with the real quantized kernel; candidates are quantized one at a time, as the batch passes.
 
 After each pass one ``all_reduce`` gives every rank the same float64 numbers, hence the same ``argmin`` and the
-same quantized weights (which :func:`lit_ppl.quantize.check_consistency` then proves by hash). The windows are
+same quantized weights (which :func:`lit_ppl.quant_check.check_consistency` then proves by hash). The windows are
 the token store's ``block`` windows (:mod:`lit_ppl.windows`), batched once independently of the world size
 (:func:`lit_ppl.sampler.plan_batches` with ``deterministic=True``) and shared out over the ranks.
 """
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_ppl.calibrate import Calibration, all_reduce, stream
+from lit_ppl.errors import LitPplError
 
 
 def quantize_weight(weight: torch.Tensor, config: Any) -> torch.Tensor:
@@ -120,7 +121,7 @@ def apply_awq(
         s = st["scales"][best]
         qw = quantize_weight(mod.weight.detach() * s, configs[name])
         if not isinstance(qw, SupportsActivationPreScaling):
-            raise ValueError(
+            raise LitPplError(
                 f"AWQ needs a quantized tensor with an activation pre-scale; {type(configs[name]).__name__} gives "
                 f"{type(qw).__name__} for {name}, which has none: use quant.method=rtn for it"
             )

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_ppl.errors import LitPplError
+
 BALANCES = ("tokens", "weights", "measured")
 
 
@@ -30,20 +32,20 @@ def check(
 ) -> None:
     """Refuse, before anything loads, a balance setting that cannot work."""
     if balance not in BALANCES:
-        raise ValueError(f"distributed.balance={balance!r} is not one of {', '.join(BALANCES)}")
+        raise LitPplError(f"distributed.balance={balance!r} is not one of {', '.join(BALANCES)}")
     if balance == "weights" and (not weights or not all(isinstance(w, int | float) and w > 0 for w in weights)):
-        raise ValueError(
+        raise LitPplError(
             f"distributed.balance=weights needs distributed.weights: positive relative speeds per node or per rank, "
             f"e.g. [1.0,0.4]; got {weights}"
         )
-    sharded = strategy in ("fsdp", "hsdp")
+    sharded = strategy not in ("single", "ddp")  # the layout's kind: FSDP and TP make every step a collective
     if sharded and balance == "measured":
-        raise ValueError(
+        raise LitPplError(
             f"distributed.balance=measured cannot time a rank alone under strategy={strategy} (every forward waits "
             "for the other ranks' all-gathers); give distributed.balance=weights with distributed.weights"
         )
     if sharded and deterministic and balance != "tokens":
-        raise ValueError(
+        raise LitPplError(
             f"distributed.balance={balance} cannot help under strategy={strategy} with eval.deterministic=true: every "
             "step is a collective and deterministic batches have the same shape on every rank; use "
             "eval.deterministic=false (a slower rank then gets smaller batches) or distributed.balance=tokens"
@@ -65,7 +67,7 @@ def given_weights(weights: Sequence[float], world_size: int, num_nodes: int) -> 
     if len(weights) == num_nodes and world_size % num_nodes == 0:
         per_node = world_size // num_nodes
         return [weights[rank // per_node] for rank in range(world_size)]
-    raise ValueError(
+    raise LitPplError(
         f"distributed.weights has {len(weights)} entries; give one per node ({num_nodes}) or one per rank "
         f"({world_size})"
     )

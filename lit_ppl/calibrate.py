@@ -9,7 +9,7 @@ calibration set and memory does not grow with it.
 
 Why float64 ``all_reduce`` and not :mod:`lit_ppl.exact`'s fixed-point sums: at one world size every rank
 receives the same reduced bits (one collective, identical ranks' inputs in a fixed order), which is what makes
-the ranks' weights identical, and :func:`lit_ppl.quantize.check_consistency` proves it by hash. Across world sizes
+the ranks' weights identical, and :func:`lit_ppl.quant_check.check_consistency` proves it by hash. Across world sizes
 the sums are associated differently and may differ in the last bits (relative ~1e-16); the fixed-point
 representation would remove that but needs every value below ``2^22`` and resolves ``2^-40`` absolutely, which
 activations with outliers (``x²`` sums in the millions) and small channels both break, and it costs a per-term
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lit_ppl.errors import LitPplError
 from lit_ppl.sampler import PAD, plan_batches
 from lit_ppl.scorer import decoder_and_head
 from lit_ppl.sources import DataSpec
@@ -63,17 +64,17 @@ class CalibrationSpec:
     def from_cfg(cls, cfg: dict[str, Any] | None, method: str = "awq") -> CalibrationSpec:
         cfg = dict(cfg or {})
         if not cfg.get("path"):
-            raise ValueError(
+            raise LitPplError(
                 f"quant.method={method} needs calibration text: "
                 "set quant.calibration.path=FILE (not the evaluated text)"
             )
         for key in ("seq_len", "tokens", "batch_size", "grid"):
             value = cfg.get(key, getattr(cls, key))
             if type(value) is not int or value < 1:
-                raise ValueError(f"quant.calibration.{key}={value!r} must be a positive integer")
+                raise LitPplError(f"quant.calibration.{key}={value!r} must be a positive integer")
         unknown = set(cfg) - {*DATA_KEYS, "seq_len", "tokens", "batch_size", "grid", "allow_overlap"}
         if unknown:
-            raise ValueError(
+            raise LitPplError(
                 f"quant.calibration has unknown keys {sorted(unknown)}; valid: {', '.join(DATA_KEYS)}, "
                 "seq_len, tokens, batch_size, grid, allow_overlap"
             )
@@ -109,7 +110,7 @@ def check_overlap(calibration: DataSpec, evaluated: DataSpec | None) -> None:
     )
     if shared or hub:
         what = shared[0] if shared else calibration.describe()
-        raise ValueError(
+        raise LitPplError(
             f"quant.calibration.path={what!r} is the evaluated text (data: {evaluated.describe()}): calibrating on it "
             "fits the quantization to the test set; give other text or set quant.calibration.allow_overlap=true"
         )
@@ -128,7 +129,7 @@ class Calibration:
         self.corpus = Corpus.open(self.store)
         total = len(self.corpus.tokens) - 1  # inputs: every position that has a next token
         if len(self.corpus.doc_lengths) == 0 or total < 1:
-            raise ValueError(
+            raise LitPplError(
                 f"quant.calibration.path={self.spec.data.describe()!r} holds no tokens: calibration needs text"
             )
         whole = build_windows("block", self.corpus.doc_lengths, self.spec.seq_len)
@@ -184,7 +185,7 @@ def prepare_calibration(
     try:
         return prepare(spec.data, tokenizer, timeout_s, progress=False)
     except ValueError as err:  # e.g. an empty file: say it is the calibration text, not data.path, at fault
-        raise ValueError(f"quant.calibration.path={spec.data.describe()!r}: {err}") from None
+        raise LitPplError(f"quant.calibration.path={spec.data.describe()!r}: {err}") from None
 
 
 def all_reduce(t: torch.Tensor, world_size: int) -> torch.Tensor:

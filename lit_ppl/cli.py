@@ -7,27 +7,30 @@
     lit-ppl validate --config configs/cli/stories260k.yaml --trainer.precision bf16-mixed --quant.name int8
     lit-ppl validate --print_config > mine.yaml             # every option, with its default
 
-The option groups mirror the Hydra config: ``--model.*`` is :class:`~lit_ppl.models.ModelSpec`, ``--data.*``
-:class:`~lit_ppl.sources.DataSpec`, ``--trainer.*`` Lightning's ``Trainer`` (``--trainer.strategy`` takes lit-ppl's
-names ``auto|ddp|fsdp|hsdp``, ``--trainer.precision`` any Lightning precision), ``--eval.*`` and ``--quant.*`` the
-``eval=``/``quant=`` groups: ``--eval.mode sliding`` is ``eval=sliding`` and ``--quant.name int4`` is ``quant=int4``,
-an option left unset takes that group file's default. jsonargparse checks every value against these signatures.
-
-Every other key of ``conf/validate.yaml`` (``--batch_size``, ``--distributed.timeout_s``, ``--resume.*``, ...) is
-an option of the same name and default, read from that file, so a key added there is a flag here too.
+Every option comes from the typed schema of the Hydra config (:mod:`lit_ppl.config`), so the two entries cannot
+drift apart: ``--model.*`` is :class:`~lit_ppl.models.ModelSpec` and ``--data.*`` :class:`~lit_ppl.sources.DataSpec`
+(the schema mirrors both), ``--trainer.*`` Lightning's ``Trainer`` (``--trainer.strategy`` takes the names of
+``conf/strategy/``, ``--trainer.precision`` any Lightning precision), ``--eval.*``, ``--quant.*`` and
+``--parallel.*`` the ``eval=``/``quant=``/``strategy=`` groups: ``--eval.mode sliding`` is ``eval=sliding``,
+``--quant.name int4`` is ``quant=int4``, ``--trainer.strategy tp`` is ``strategy=tp``, and an option left unset
+takes that group file's default. ``--logger csv`` is ``logger=csv``. Every other key of the schema
+(``--batch_size``, ``--distributed.timeout_s``, ``--resume.*``, ...) is an option of the same name, type and
+allowed values, defaulting to ``conf/validate.yaml``'s value. jsonargparse checks each value's type, and the
+assembled config is checked against the schema as the Hydra entry's is.
 
 The run itself is the Hydra entry's task function, :func:`lit_ppl.validate.main`, called with the equivalent
 Hydra-shaped config: the same ``PerplexityModule``/``PerplexityDataModule``, strategy and precision handling,
-signal handling and resume, error messages and ``results.json`` — so the two entry points cannot drift apart.
+signal handling and resume, error messages and ``results.json``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,123 +38,60 @@ from hydra.errors import InstantiationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from lit_ppl import config
+from lit_ppl.errors import LitPplError
 from lit_ppl.models import ModelSpec
+from lit_ppl.run import USER_ERRORS, evaluate
 from lit_ppl.sources import DataSpec
-from lit_ppl.strategies import STRATEGIES
-from lit_ppl.validate import USER_ERRORS, conf_dir, evaluate
+from lit_ppl.validate import EXIT_CONFIG, conf_dir
 from lit_ppl.validate import main as validate_main
 
 SUBCOMMANDS = ("validate",)
 # Ranks that Lightning relaunches re-run this command line; they read the default output dir from here so that
 # all ranks of one run agree on it even when they start in different seconds.
 OUTPUT_DIR_ENV = "LIT_PPL_OUTPUT_DIR"
-# Trainer arguments that evaluate() sets itself: a value given for them would be ignored or would clash.
-OWNED_TRAINER_ARGS = (
-    "logger",
-    "callbacks",
-    "use_distributed_sampler",
-    "enable_checkpointing",
-    "enable_model_summary",
-    "inference_mode",
-)
-# Keys of conf/validate.yaml with a CLI option of their own (a group above, or a Trainer argument).
-MAPPED_KEYS = ("defaults", "hydra", "precision", "seed", "output_dir")
-PLAIN_TYPES = {bool: bool, int: int, float: float, str: str}
+# Schema keys with options of their own: a group (built from its file and options) or a Trainer argument.
+GROUP_KEYS = ("model", "data", "eval", "trainer", "strategy", "parallel", "quant", "compare", "logger")
+MAPPED_KEYS = ("precision", "seed", "output_dir")
 
 
-@dataclass
-class EvalOptions:
-    """How the text is cut into windows (the ``eval=`` group); ``None`` takes ``conf/eval/<mode>.yaml``'s value.
-
-    Attributes:
-        mode: ``rolling`` (lm-evaluation-harness), ``sliding`` (strided windows) or ``block``.
-        seq_len: most input tokens per window.
-        stride: ``sliding`` mode's stride.
-        chunk_size: scored positions per output-head chunk (bounds the logits memory).
-        deterministic: bit-identical results at any world size (whole batches per rank, exact sums).
-    """
-
-    mode: Literal["rolling", "sliding", "block"] = "rolling"
-    seq_len: int | None = None
-    stride: int | None = None
-    chunk_size: int | None = None
-    deterministic: bool | None = None
+def _cli_type(f: dataclasses.Field, kind: Any) -> Any:
+    """The jsonargparse type of a schema field: its allowed values as a Literal, its union, or its own type."""
+    choices = f.metadata.get("choices", ())
+    if choices:
+        allowed = Literal[choices]  # Literal[("a", "b")] is Literal["a", "b"]
+        return allowed | None if type(None) in typing.get_args(kind) else allowed
+    return f.metadata.get("union", kind)
 
 
-@dataclass
-class CalibrationOptions:
-    """Calibration text of ``awq``/``gptq`` (``quant.calibration`` in ``conf/quant/awq.yaml``, read by
-    :class:`lit_ppl.calibrate.CalibrationSpec`); ``None`` takes the method file's value.
-
-    Attributes:
-        path: calibration text (not the evaluated text), read like ``--data.path``.
-        format: as ``--data.format``.
-        text_field: as ``--data.text_field``.
-        document_separator: as ``--data.document_separator``.
-        encoding_errors: as ``--data.encoding_errors``.
-        limit: only the first N documents.
-        cache_dir: token cache (default: ``--data.cache_dir``).
-        seq_len: tokens per calibration window.
-        tokens: calibration tokens (fewer if the text is shorter).
-        batch_size: windows per forward pass.
-        grid: AWQ's candidate scales per layer.
-        allow_overlap: accept calibration text identical to the evaluated text.
-    """
-
-    path: str | None = None
-    format: str | None = None
-    text_field: str | None = None
-    document_separator: str | None = None
-    encoding_errors: str | None = None
-    limit: int | None = None
-    cache_dir: str | None = None
-    seq_len: int | None = None
-    tokens: int | None = None
-    batch_size: int | None = None
-    grid: int | None = None
-    allow_overlap: bool | None = None
+def _options(schema: type, keep: tuple[str, ...] = ()) -> type:
+    """A dataclass of ``schema``'s fields for jsonargparse, each ``None`` by default: an option left unset takes the
+    group file's value. Fields named in ``keep`` (the one that picks the file) keep the schema's default."""
+    specs: list[tuple[str, Any, Any]] = []
+    lines = [(schema.__doc__ or "").strip(), "", "Attributes:"]
+    for f, kind in config.schema_fields(schema):
+        inner = config.nested_schema(kind)
+        if inner is not None:
+            nested = _options(inner)
+            specs.append((f.name, nested, dataclasses.field(default_factory=nested)))
+        elif f.name in keep:
+            specs.append((f.name, _cli_type(f, kind), f.default))
+        else:
+            specs.append((f.name, _cli_type(f, kind) | None, None))
+        lines.append(f"    {f.name}: {f.metadata.get('doc') or f.name}")
+    name = schema.__name__.replace("Config", "Options")
+    options = dataclasses.make_dataclass(name, specs)
+    options.__doc__, options.__module__ = "\n".join(lines), __name__  # jsonargparse's help reads the Attributes
+    return options
 
 
-@dataclass
-class QuantOptions:
-    """Weight quantization (the ``quant=`` group); ``None`` takes the group file's value.
-
-    The group file is ``conf/quant/<name>.yaml``, or with a calibrated ``method`` that method's file (it holds the
-    calibration defaults): ``--quant.method=awq`` is ``quant=awq``, ``--quant.method=awq --quant.name=int4`` is
-    ``quant=awq quant.name=int4``.
-
-    Attributes:
-        name: ``none``, ``int8``, ``int8dq``, ``int4`` or ``policy`` (``None``: ``none``, or the method file's).
-        method: ``rtn`` (round-to-nearest), ``awq`` or ``gptq`` (calibrated: CUDA only).
-        group_size: ``int4`` group size (32, 64, 128 or 256).
-        backend: ``int4`` backend: ``auto``, ``tinygemm``, ``prototype`` or ``intx``.
-        head: also quantize the output head (and tied embeddings).
-        source: ``local`` (every rank quantizes) or ``rank0`` (rank 0 quantizes and broadcasts).
-        rules: ``policy``'s ordered rules, e.g. ``[{role: mlp, config: int8, method: awq}]``.
-        calibration: the calibration text of ``awq``/``gptq``.
-    """
-
-    name: str | None = None
-    method: Literal["rtn", "awq", "gptq"] | None = None
-    group_size: int | None = None
-    backend: str | None = None
-    head: bool | None = None
-    source: str | None = None
-    rules: list[dict[str, Any]] | None = None
-    calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
-
-
-@dataclass
-class CompareOptions:
-    """Compare with a reference model token by token (the ``compare=`` group).
-
-    Attributes:
-        reference: ``None`` (no comparison), a checkpoint path, or ``{path, dtype, quant}`` as in
-            ``conf/compare/unquantized.yaml`` (``path: null`` is the same checkpoint, unquantized).
-    """
-
-    reference: str | dict[str, Any] | None = None
+EvalOptions = _options(config.EvalConfig, keep=("mode",))
+QuantOptions = _options(config.QuantConfig)
+CalibrationOptions = {f.name: f.type for f in dataclasses.fields(QuantOptions)}["calibration"]
+CompareOptions = _options(config.CompareConfig)
+ParallelOptions = _options(config.ParallelConfig)
 
 
 def _load(group: str, option: str) -> dict[str, Any]:
@@ -160,36 +100,34 @@ def _load(group: str, option: str) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
 
 
-def _root_defaults() -> dict[str, Any]:
-    """``conf/validate.yaml``'s plain keys and the option it picks for each group."""
-    root = OmegaConf.to_container(OmegaConf.load(Path(conf_dir()) / "validate.yaml"))
-    choices = {k: v for entry in root.pop("defaults") if isinstance(entry, dict) for k, v in entry.items()}
-    return {**root, "choices": choices}
+def _preset() -> tuple[dict[str, Any], dict[str, Any]]:
+    """``conf/validate.yaml`` over the schema's defaults (as Hydra composes it before any group), and the option it
+    picks for each group."""
+    root = OmegaConf.load(Path(conf_dir()) / "validate.yaml")
+    entries = OmegaConf.to_container(root.pop("defaults"))
+    root.pop("hydra", None)
+    choices = {k: v for entry in entries if isinstance(entry, dict) for k, v in entry.items()}
+    return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(config.ValidateConfig), root)), choices
 
 
-# Keys whose YAML default does not show every type they take.
-OVERRIDE_TYPES: dict[str, Any] = {
-    "batch_size": int | Literal["auto"],
-    "distributed.balance": Literal["tokens", "weights", "measured"],
-    "distributed.weights": list[float] | None,
-}
-
-
-def _plain_keys(defaults: dict[str, Any]) -> dict[str, Any]:
-    """The keys of ``conf/validate.yaml`` that are not config groups or mapped to a Trainer argument."""
-    return {k: v for k, v in defaults.items() if k not in (*MAPPED_KEYS, "choices")}
-
-
-def _add_plain_arguments(parser: LightningArgumentParser, values: dict[str, Any], prefix: str = "") -> None:
-    """``--key`` (or ``--section.key``) for each value, typed after its default."""
-    for key, value in values.items():
-        if isinstance(value, dict):
-            _add_plain_arguments(parser, value, f"{prefix}{key}.")
+def _plain_fields(schema: type, prefix: str = "") -> typing.Iterator[tuple[str, dataclasses.Field, Any]]:
+    """``(dotted key, field, type)`` of each schema leaf that is neither a group nor mapped to a Trainer argument."""
+    for f, kind in config.schema_fields(schema):
+        key = f"{prefix}{f.name}"
+        if not prefix and f.name in (*GROUP_KEYS, *MAPPED_KEYS):
             continue
-        kind = OVERRIDE_TYPES.get(f"{prefix}{key}", PLAIN_TYPES.get(type(value), Any))
-        parser.add_argument(
-            f"--{prefix}{key}", type=kind, default=value, help=f"As {prefix}{key} in conf/validate.yaml."
-        )
+        inner = config.nested_schema(kind)
+        if inner is not None:
+            yield from _plain_fields(inner, f"{key}.")
+        else:
+            yield key, f, kind
+
+
+def _select(values: dict[str, Any], key: str) -> Any:
+    """``values["a"]["b"]`` for ``key="a.b"``."""
+    for part in key.split("."):
+        values = values[part]
+    return values
 
 
 def _overlay(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
@@ -217,8 +155,8 @@ class PerplexityCLI(LightningCLI):
     """
 
     def __init__(self, args: list[str] | None = None) -> None:
-        defaults = _root_defaults()
-        trainer = _load("trainer", defaults["choices"].get("trainer", "default"))
+        defaults, choices = _preset()
+        trainer = _load("trainer", choices.get("trainer", "default"))
         super().__init__(
             trainer_defaults={**trainer, "precision": defaults["precision"]},
             seed_everything_default=defaults["seed"],
@@ -236,13 +174,22 @@ class PerplexityCLI(LightningCLI):
         parser.set_defaults({f"trainer.{k}": v for k, v in self.trainer_defaults.items()})
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        defaults = _root_defaults()
+        defaults, choices = _preset()
         parser.add_class_arguments(ModelSpec, "model", instantiate=False)
         parser.add_class_arguments(DataSpec, "data", instantiate=False)
         parser.add_class_arguments(EvalOptions, "eval", instantiate=False)
         parser.add_class_arguments(QuantOptions, "quant", instantiate=False)
         parser.add_class_arguments(CompareOptions, "compare", instantiate=False)
-        _add_plain_arguments(parser, _plain_keys(defaults))
+        parser.add_class_arguments(ParallelOptions, "parallel", instantiate=False)
+        parser.add_argument(
+            "--logger",
+            type=Literal[config.LOGGERS],
+            default=choices.get("logger") or "none",
+            help="An experiment logger, as logger= of the Hydra entry (conf/logger/).",
+        )
+        for key, f, kind in _plain_fields(config.ValidateConfig):
+            doc = f.metadata.get("doc") or f"as {key} in conf/validate.yaml"
+            parser.add_argument(f"--{key}", type=_cli_type(f, kind), default=_select(defaults, key), help=f"{doc}.")
         parser.add_argument(
             "--output_dir",
             type=str | None,
@@ -259,12 +206,12 @@ class PerplexityCLI(LightningCLI):
 
 
 def to_hydra_config(ns: Any) -> DictConfig:
-    """The Hydra config (``conf/validate.yaml``'s shape) that the parsed CLI options describe."""
+    """The Hydra config (the schema's shape, checked as the Hydra entry checks it) that the parsed options describe."""
     opts = ns.as_dict()
     trainer = dict(opts["trainer"])
     strategy, precision = trainer.pop("strategy"), trainer.pop("precision")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"--trainer.strategy={strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if strategy not in config.STRATEGY_NAMES:
+        raise LitPplError(f"--trainer.strategy={strategy!r} is not one of {', '.join(config.STRATEGY_NAMES)}")
     signature = inspect.signature(Trainer.__init__).parameters
     given = {
         k: v for k, v in trainer.items() if k in ("accelerator", "devices", "num_nodes") or v != signature[k].default
@@ -272,10 +219,10 @@ def to_hydra_config(ns: Any) -> DictConfig:
     if isinstance(given["devices"], str) and given["devices"].isdigit():
         given["devices"] = int(given["devices"])  # jsonargparse reads --trainer.devices=2 as str (a valid type)
     for key, value in given.items():
-        if key in OWNED_TRAINER_ARGS:
-            raise ValueError(f"--trainer.{key} is set by lit-ppl itself; leave it out")
+        if key in config.OWNED_TRAINER_ARGS:
+            raise LitPplError(f"--trainer.{key} is set by lit-ppl itself; leave it out")
         if not isinstance(value, str | int | float | bool | type(None) | list):
-            raise ValueError(f"--trainer.{key}={value!r}: only plain values are passed on to the Trainer")
+            raise LitPplError(f"--trainer.{key}={value!r}: only plain values are passed on to the Trainer")
     ev = opts["eval"]
     output_dir = opts["output_dir"] or os.environ.get(OUTPUT_DIR_ENV) or time.strftime("outputs/cli/%Y-%m-%d/%H-%M-%S")
     cfg = {
@@ -284,14 +231,21 @@ def to_hydra_config(ns: Any) -> DictConfig:
         "eval": _overlay(_load("eval", ev["mode"]), ev),
         "trainer": given,
         "strategy": {"name": strategy},
+        "parallel": _overlay(_load("strategy", strategy)["parallel"], opts["parallel"]),  # the preset's layout
         "quant": _quant(opts["quant"]),
         "compare": opts["compare"],
+        "logger": _load("logger", opts["logger"]) or None,
         "precision": str(precision),
         "seed": int(opts["seed_everything"]),
         "output_dir": output_dir,
-        **{k: opts[k] for k in _plain_keys(_root_defaults())},
+        **{k: opts[k] for k in {key.split(".")[0] for key, _, _ in _plain_fields(config.ValidateConfig)}},
     }
-    return OmegaConf.create(cfg)
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(config.ValidateConfig), cfg)
+    except OmegaConfBaseException as err:
+        raise config.ConfigError(config.error_line(err)) from None
+    config.check(typed)
+    return typed
 
 
 def validate(args: list[str]) -> dict[str, Any]:
@@ -309,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = PerplexityCLI(argv[1:]).hydra_config
     except ValueError as err:  # a value jsonargparse's types admit but lit-ppl does not (e.g. the strategy)
         print(f"lit-ppl: error: {err}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(EXIT_CONFIG if isinstance(err, config.ConfigError) else 1)
     os.environ[OUTPUT_DIR_ENV] = cfg.output_dir  # inherited by the ranks Lightning relaunches
     try:
         # Hydra's decorated main runs its task function directly on a config passed to it: the same signal

@@ -15,6 +15,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lit_ppl.balance import given_weights, measured_weights, probe_tokens_per_s
+from lit_ppl.errors import LitPplError
+from lit_ppl.parallel import Layout
 from lit_ppl.sampler import PAD, ExactBatchSampler
 from lit_ppl.sources import DataSpec
 from lit_ppl.tokenizer import Tokenizer
@@ -27,8 +29,8 @@ class WindowCollator:
 
     The batch holds ``input_ids`` ``(b, t)`` (right-padded: a causal model's real positions never see the
     padding), the flat indices into ``(b·t)`` of the scored positions and their target ids, and the
-    documents / words / bytes that the batch's windows start, and each scored token's document. Shapes are
-    known without a device sync.
+    documents / words / bytes that the batch's windows start, each scored token's document and the batch's window
+    ids (``PAD`` for a padding entry). Shapes are known without a device sync.
     """
 
     def __init__(self, corpus: Corpus, windows: Windows, pad_id: int = 0) -> None:
@@ -36,34 +38,35 @@ class WindowCollator:
         self.offsets = corpus.offsets
 
     def __call__(self, ids: list[int]) -> dict[str, Any]:
-        real = [i for i in ids if i != PAD]
-        w, tokens = self.windows, self.corpus.tokens
-        width = max([int(w.end[i] - w.start[i]) for i in real], default=1)
-        input_ids = np.full((len(ids), width), self.pad_id, dtype=np.int64)
-        index, targets, docs = [], [], []
-        for row, i in enumerate(ids):
-            if i == PAD:
-                continue
-            start, end = int(w.start[i]), int(w.end[i])
-            ids = tokens[start : end + 1].astype(np.int64)  # the window's inputs and its last target
-            input_ids[row, : end - start] = ids[:-1]
-            target_pos = np.arange(start + 1, end + 1)
-            doc = np.searchsorted(self.offsets, target_pos, side="right") - 1
-            # Scored: from score_from on, and never a document's BOS (context only, not part of any document).
-            keep = (target_pos >= w.score_from[i]) & (target_pos != self.offsets[doc])
-            index.append(row * width + np.flatnonzero(keep))
-            targets.append(ids[1:][keep])
-            docs.append(doc[keep])
-        cat = lambda parts: torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))  # noqa: E731
+        # Vectorised over the batch's (rows × width) grid: a loop over the windows made ~10 numpy calls per window
+        # (measured: 0.54 ms per batch of 16 × 512, the grid 0.21 ms; 1 × 512: 0.27 ms, 0.10 ms).
+        w, tokens, offsets = self.windows, self.corpus.tokens, self.offsets
+        window_ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        is_real = window_ids != PAD
+        real = window_ids[is_real]
+        safe = np.where(is_real, window_ids, 0)  # a padding entry reads window 0's bounds, then gets no positions
+        start, score_from = w.start[safe], w.score_from[safe]
+        length = np.where(is_real, w.end[safe] - start, 0)
+        width = int(length.max(initial=1))
+        col = np.arange(width)
+        inside = col < length[:, None]  # a real input position (a padding entry has none)
+        target_pos = start[:, None] + col + 1  # the token each input position predicts
+        input_ids = np.full((len(window_ids), width), self.pad_id, dtype=np.int64)
+        input_ids[inside] = tokens[target_pos[inside] - 1]
+        doc = np.searchsorted(offsets, target_pos, side="right") - 1
+        # Scored: from score_from on, and never a document's BOS (context only, not part of any document).
+        keep = inside & (target_pos >= score_from[:, None]) & (target_pos != offsets[doc])
+        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
         return {
             "input_ids": torch.from_numpy(input_ids),
-            "score_index": cat(index),
-            "targets": cat(targets),
-            "doc_ids": cat(docs),  # the document each scored token belongs to (for the per-document table)
+            "score_index": as_tensor(np.flatnonzero(keep)),  # row-major: row by row, positions ascending
+            "targets": as_tensor(tokens[target_pos[keep]]),
+            "doc_ids": as_tensor(doc[keep]),  # the document each scored token belongs to (for the per-document table)
             "documents": torch.tensor(int(w.documents[real].sum())),
             "words": torch.tensor(int(w.words[real].sum())),
             "bytes": torch.tensor(int(w.bytes[real].sum())),
-            "window_ids": list(ids),
+            # One tensor, not a list: Lightning walks a batch's lists element by element on every step.
+            "window_ids": torch.from_numpy(window_ids),
         }
 
 
@@ -102,6 +105,8 @@ class PerplexityDataModule(L.LightningDataModule):
         deterministic: batches formed independently of the world size, whole batches per rank (:mod:`lit_ppl.sampler`).
         balance: ``tokens``, ``weights`` or ``measured`` (:mod:`lit_ppl.balance`).
         weights: ``balance=weights``: relative speed per node or per rank.
+        layout: the rank layout (:mod:`lit_ppl.parallel`): windows are shared over its data-parallel ranks only,
+            every rank of a tensor-parallel group reading the same batches. ``None``: every rank data-parallel.
     """
 
     def __init__(
@@ -119,15 +124,17 @@ class PerplexityDataModule(L.LightningDataModule):
         balance: str = "tokens",
         weights: list[float] | None = None,
         timeout_s: float = 300.0,
+        layout: Layout | None = None,
     ) -> None:
         super().__init__()
+        self.layout = layout
         self.timeout_s = timeout_s
         self.deterministic, self.balance, self.weights = deterministic, balance, weights
         # Resolved in val_dataloader (or restored by a resume, so that the plan is the one the progress belongs to).
         self.rank_weights: list[float] | None = None
         self.measured_tokens_per_s: list[float] | None = None
         if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
-            raise ValueError(f"batch_size={batch_size!r} must be a positive integer or auto")
+            raise LitPplError(f"batch_size={batch_size!r} must be a positive integer or auto")
         self.limits, self.autobatch = limits, autobatch or {}
         self.spec, self.tokenizer = data, tokenizer
         self.mode, self.seq_len, self.stride = mode, seq_len, stride
@@ -147,7 +154,7 @@ class PerplexityDataModule(L.LightningDataModule):
         if self.corpus is not None:
             return
         if self.limits is not None and self.limits[1] is not None and self.seq_len > self.limits[1]:
-            raise ValueError(
+            raise LitPplError(
                 f"eval.seq_len={self.seq_len} exceeds the model's maximum of {self.limits[1]} positions; "
                 f"use eval.seq_len<={self.limits[1]}"
             )
@@ -155,7 +162,7 @@ class PerplexityDataModule(L.LightningDataModule):
         corpus = Corpus.open(self.store)
         vocab = self.limits[0] if self.limits is not None else None
         if vocab is not None and corpus.max_token >= vocab:
-            raise ValueError(
+            raise LitPplError(
                 f"token id {corpus.max_token} is out of the model's vocabulary of {vocab}: the tokenizer "
                 "does not match the model"
             )
@@ -187,7 +194,8 @@ class PerplexityDataModule(L.LightningDataModule):
         if self.balance == "tokens":
             return None
         if self.balance == "weights":
-            return given_weights(self.weights or [], self.trainer.world_size, self.trainer.num_nodes)
+            per_rank = given_weights(self.weights or [], self.trainer.world_size, self.trainer.num_nodes)
+            return per_rank[:: self.layout.tp] if self.layout is not None else per_rank  # one per data-parallel rank
         tokens_per_s = probe_tokens_per_s(
             self.trainer.lightning_module.scorer,
             self.batch_size,
@@ -201,10 +209,22 @@ class PerplexityDataModule(L.LightningDataModule):
         if self.batch_size == "auto":  # the model is built by now: probe it
             from lit_ppl.autobatch import resolve
 
-            self.batch_size = resolve(self.trainer, self.seq_len, **self.autobatch)
+            module = self.trainer.lightning_module
+            self.batch_size = resolve(
+                module.scorer,
+                self.seq_len,
+                model=module.spec.path,
+                precision=str(self.trainer.precision),
+                chunk_size=module.chunk_size,
+                context=self.trainer.precision_plugin.val_step_context,
+                device=module.device,
+                **self.autobatch,
+            )
         if self.rank_weights is None and self.trainer is not None:
             self.rank_weights = self.resolve_weights()
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        if self.layout is not None:  # a tensor-parallel group reads one share of the windows
+            rank, world = self.layout.dp_rank(rank), self.layout.dp_size
         return DataLoader(
             WindowIds(len(self.windows)),
             batch_sampler=self.batch_sampler(rank, world, self.skip_batches),

@@ -21,6 +21,17 @@ def rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
 
 
+def world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the initialised process group, or ``(0, 1)``.
+
+    Unlike :func:`rank`, no launcher variables: callers size collectives with it, and before the group exists
+    there is no one to exchange with.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 _CONTROL: dict[int, dist.ProcessGroup] = {}
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from lit_ppl.run import USER_ERRORS, build
 from lit_ppl.tokens import Corpus, prepare
-from lit_ppl.validate import USER_ERRORS, build, conf_dir
+from lit_ppl.validate import conf_dir
 
 
 def fetch(cfg: DictConfig) -> Path:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lit_ppl.calibrate import Calibration, all_reduce, stream
+from lit_ppl.errors import LitPplError
 
 
 def gptq_problem(device: torch.device) -> str | None:
@@ -78,7 +79,7 @@ def gptq_weight(xtx: torch.Tensor, count: int, weight: torch.Tensor, base_config
 
     problem = gptq_problem(weight.device)
     if problem:
-        raise ValueError(problem)
+        raise LitPplError(problem)
     h = (xtx * (2.0 / max(count, 1))).to(torch.float32)
     config = GPTQConfig(step="convert", base_config=base_config)
     # gptq_quantize edits both H and the weight in place: give it copies.

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lit_ppl.errors import LitPplError
+
 
 @dataclasses.dataclass(frozen=True)
 class LogBins:
@@ -62,9 +64,9 @@ class LogBins:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.low < self.high < math.inf:
-            raise ValueError(f"LogBins needs 0 < low < high < inf, got low={self.low}, high={self.high}")
+            raise LitPplError(f"LogBins needs 0 < low < high < inf, got low={self.low}, high={self.high}")
         if not 0.0 < self.alpha < 1.0:
-            raise ValueError(f"LogBins needs 0 < alpha < 1, got alpha={self.alpha}")
+            raise LitPplError(f"LogBins needs 0 < alpha < 1, got alpha={self.alpha}")
 
     @property
     def gamma(self) -> float:
@@ -128,7 +130,7 @@ def percentiles(
     cum = counts.detach().to("cpu", torch.int64).cumsum(0)
     n = int(cum[-1])
     if n == 0:
-        raise ValueError("no values were counted, so there is no percentile to read")
+        raise LitPplError("no values were counted, so there is no percentile to read")
     points = bins.points()
 
     def sorted_value(rank: int) -> float:
@@ -142,7 +144,7 @@ def percentiles(
     out = {}
     for pct in pcts:
         if not 0.0 <= pct <= 100.0:
-            raise ValueError(f"percentile {pct} is not in [0, 100]")
+            raise LitPplError(f"percentile {pct} is not in [0, 100]")
         pos = pct / 100.0 * (n - 1)
         lo = min(int(pos), n - 1)
         frac = pos - lo

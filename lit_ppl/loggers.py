@@ -20,6 +20,8 @@ import lightning as L
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
+from lit_ppl.errors import LitPplError
+
 # Logger class -> (any of these importable modules, the lit-ppl extra that installs one of them).
 # Checked before instantiating: Lightning's own errors for a missing package name Lightning's extras, not ours.
 REQUIRES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -47,7 +49,7 @@ def build(cfg: DictConfig) -> Logger | bool:
     if target is None:
         return False
     if not str(target).startswith(TRUSTED_PREFIXES) and not cfg.get("allow_any_target", False):
-        raise ValueError(
+        raise LitPplError(
             f"logger._target_={target!r} is not a lightning.pytorch.loggers class; "
             "set allow_any_target=true to instantiate it"
         )

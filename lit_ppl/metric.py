@@ -12,6 +12,7 @@ import math
 import torch
 from torch import Tensor
 
+from lit_ppl.errors import LitPplError
 from lit_ppl.exact import SumStates
 
 # Two-sided 95% quantile of the standard normal: the interval is PPL ± 1.96 standard errors.
@@ -21,15 +22,17 @@ SUM_STATES = ("nll_sum", "nll_sq_sum")
 COUNT_STATES = ("tokens", "words", "bytes", "documents", "nonfinite")
 
 
-def _finite(nll: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _finite(nll: Tensor, finite: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(nll with non-finite values zeroed, #finite, #non-finite)``, flat and in float64.
 
     Non-finite values are excluded from the sums and counted instead, so that the caller can name the batch
-    rather than report a silent ``nan``.
+    rather than report a silent ``nan``. ``finite``: ``torch.isfinite(nll)`` if the caller has it already (the
+    cast to float64 turns no finite value into an infinite one, so the mask is the same before and after it).
     """
     nll = nll.detach().reshape(-1).to(torch.float64)
-    finite = torch.isfinite(nll)
-    return torch.where(finite, nll, torch.zeros_like(nll)), finite.sum(), (~finite).sum()
+    finite = torch.isfinite(nll) if finite is None else finite.reshape(-1)
+    count = finite.sum()
+    return torch.where(finite, nll, torch.zeros_like(nll)), count, nll.numel() - count
 
 
 def _perplexity_update(nll: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -38,16 +41,39 @@ def _perplexity_update(nll: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return clean.sum(), (clean * clean).sum(), tokens, nonfinite
 
 
+def mean_stderr(total: Tensor | float, total_sq: Tensor | float, count: Tensor | float) -> tuple[Tensor, Tensor]:
+    """The mean of values and its standard error, from their sum ``Σx``, sum of squares ``Σx²`` and count ``N``.
+
+    The standard error is llama.cpp's, ``sqrt((E[x²] - E[x]²) / (N - 1))`` (the sample standard deviation over
+    ``sqrt(N)``), so that only the three sums need to cross ranks. Works elementwise on tensors of any shape; all
+    arithmetic is float64.
+
+    Args:
+        total: ``Σx``.
+        total_sq: ``Σx²``.
+        count: ``N``.
+
+    Returns:
+        ``(mean, stderr)`` as float64 tensors. ``N = 0`` gives a NaN mean; ``N = 1`` a standard error of 0.
+
+    >>> mean, stderr = mean_stderr(6.0, 14.0, 3)  # the values 1, 2, 3
+    >>> mean.item(), round(stderr.item(), 6)
+    (2.0, 0.57735)
+    """
+    n = torch.as_tensor(count, dtype=torch.float64)
+    mean = torch.as_tensor(total, dtype=torch.float64) / n
+    # E[x²] - E[x]² cancels catastrophically when the spread is tiny next to the mean, and can come out
+    # slightly negative; a variance is never negative.
+    var = (torch.as_tensor(total_sq, dtype=torch.float64) / n - mean * mean).clamp_min(0.0)
+    return mean, torch.sqrt(var / (n - 1).clamp_min(1.0))
+
+
 def _perplexity_compute(
     nll_sum: Tensor, nll_sq_sum: Tensor, tokens: Tensor, words: Tensor, bytes_: Tensor, documents: Tensor
 ) -> dict[str, Tensor]:
     """Turn the summed states into the reported statistics (all float64)."""
     nll_sum = nll_sum.to(torch.float64)
-    n = tokens.to(torch.float64)
-    nll_mean = nll_sum / n
-    # llama.cpp's standard error of the mean NLL: sqrt((E[nll²] - E[nll]²) / (N - 1)).
-    var = (nll_sq_sum.to(torch.float64) / n - nll_mean * nll_mean).clamp_min(0.0)
-    nll_stderr = torch.sqrt(var / (n - 1).clamp_min(1.0))
+    nll_mean, nll_stderr = mean_stderr(nll_sum, nll_sq_sum, tokens)
     ppl = torch.exp(nll_mean)
     ppl_stderr = ppl * nll_stderr
     words_f, bytes_f = words.to(torch.float64), bytes_.to(torch.float64)
@@ -86,7 +112,7 @@ def perplexity(nll: Tensor, words: int = 0, bytes_: int = 0, documents: int = 0)
     """
     nll_sum, nll_sq_sum, tokens, nonfinite = _perplexity_update(nll)
     if nonfinite:
-        raise ValueError(f"nll has {int(nonfinite)} non-finite values; perplexity would be meaningless")
+        raise LitPplError(f"nll has {int(nonfinite)} non-finite values; perplexity would be meaningless")
     as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     return _perplexity_compute(nll_sum, nll_sq_sum, tokens, as_t(words), as_t(bytes_), as_t(documents))
 
@@ -126,7 +152,7 @@ class Perplexity(SumStates):
     def __init__(self, exact: bool = False, **kwargs) -> None:
         kwargs.setdefault("dist_sync_on_step", False)
         if kwargs["dist_sync_on_step"]:
-            raise ValueError("Perplexity syncs once at compute(); dist_sync_on_step=True is not supported")
+            raise LitPplError("Perplexity syncs once at compute(); dist_sync_on_step=True is not supported")
         super().__init__(exact=exact, **kwargs)
         for name in SUM_STATES:
             self.add_sum_state(name)
@@ -139,16 +165,21 @@ class Perplexity(SumStates):
         words: Tensor | int = 0,
         bytes_: Tensor | int = 0,
         documents: Tensor | int = 0,
+        finite: Tensor | None = None,
     ) -> None:
-        """Add one batch: per-token NLL of its scored tokens and counts of the documents it starts."""
-        clean, tokens, nonfinite = _finite(nll)
+        """Add one batch: per-token NLL of its scored tokens and counts of the documents it starts.
+
+        ``finite``: ``torch.isfinite(nll)``, when the caller computed it for its own use (one pass per step).
+        """
+        clean, tokens, nonfinite = _finite(nll, finite)
         self.add_to("nll_sum", clean)
         self.add_to("nll_sq_sum", clean * clean)
-        self.tokens += tokens
-        self.nonfinite += nonfinite
-        self.words += words
-        self.bytes += bytes_
-        self.documents += documents
+        # add_, not +=: `self.x += y` also re-assigns the attribute through nn.Module.__setattr__, a few µs each step.
+        self.tokens.add_(tokens)
+        self.nonfinite.add_(nonfinite)
+        self.words.add_(words)
+        self.bytes.add_(bytes_)
+        self.documents.add_(documents)
 
     def compute(self) -> dict[str, Tensor]:
         """Return the statistics over everything seen on every rank (float64)."""

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lit_ppl.distributed import first_line
+from lit_ppl.errors import LitPplError
 from lit_ppl.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 BUILTIN = "builtin"
@@ -67,7 +68,7 @@ class ModelSpec:
                 f"(org/name) or '{BUILTIN}'"
             )
         if local.is_dir() and not (local / "config.json").is_file():
-            raise ValueError(
+            raise LitPplError(
                 f"model.path={self.path!r} is a directory without config.json, so not a Hugging Face causal LM "
                 "checkpoint (expected config.json plus *.safetensors weights)"
             )
@@ -87,12 +88,12 @@ class ModelSpec:
             )
         except (OSError, ValueError, KeyError) as err:
             if not Path(self.path).expanduser().is_dir() and hub_unreachable(err):
-                raise ValueError(
+                raise LitPplError(
                     f"model.path={self.path!r} is not a local directory, not in the Hugging Face cache, and the hub "
                     f"cannot be reached; run `python -m lit_ppl.fetch model.path={self.path}` where the hub is "
                     "reachable (with HF_HOME on storage these nodes read), or give a local checkpoint directory"
                 ) from None
-            raise ValueError(f"model.path={self.path!r} {problem}: {first_line(err)}") from err
+            raise LitPplError(f"model.path={self.path!r} {problem}: {first_line(err)}") from err
 
     def download(self) -> str | None:
         """Fetch a hub id's files into the Hugging Face cache (``None`` for the built-in model or a directory)."""
@@ -117,7 +118,7 @@ class ModelSpec:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         if cfg.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not self.trust_remote_code:
-            raise ValueError(
+            raise LitPplError(
                 f"model.path={self.path!r} is a {cfg.model_type!r} model, not a causal LM that "
                 "AutoModelForCausalLM can load (e.g. llama, mistral, qwen2, gpt2)"
             )
@@ -134,9 +135,9 @@ class ModelSpec:
 
     def build_empty(self, dtype: torch.dtype) -> nn.Module:
         """The model with parameters on the meta device (no memory) and real buffers, in eval mode."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        cfg = self._from_pretrained(AutoConfig, "has no config transformers can read")
+        cfg = self.config()
         with parameters_on_meta():
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=self.trust_remote_code)
         return model.eval().requires_grad_(False)
@@ -151,23 +152,35 @@ class ModelSpec:
         with torch.device("cpu"):  # never the whole model on one accelerator
             return self.build(dtype).state_dict()
 
-    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
-        """Instantiate the model in ``dtype`` on the current default device, in eval mode."""
-        from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    def config(self) -> Any:
+        """The model's transformers config (the built-in model's, or the checkpoint's), without its weights."""
+        from transformers import AutoConfig, LlamaConfig
+
+        if not self.is_builtin:
+            return self._from_pretrained(AutoConfig, "has no config transformers can read")
+        return LlamaConfig(
+            vocab_size=ByteTokenizer.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=4 * self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_heads,
+            max_position_embeddings=self.max_positions,
+            bos_token_id=ByteTokenizer.bos_id,
+            eos_token_id=ByteTokenizer.eos_id,
+            tie_word_embeddings=True,
+        )
+
+    def build(self, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> nn.Module:
+        """Instantiate the model in ``dtype`` on ``device`` (default: the current default device), in eval mode.
+
+        A checkpoint is read straight to ``device`` (``device_map``): never a host copy per rank on the way to its
+        GPU, which for eight ranks of a 70B model would be over a terabyte of RAM.
+        """
+        from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
         if self.is_builtin:
-            config = LlamaConfig(
-                vocab_size=ByteTokenizer.vocab_size,
-                hidden_size=self.hidden_size,
-                intermediate_size=4 * self.hidden_size,
-                num_hidden_layers=self.num_layers,
-                num_attention_heads=self.num_heads,
-                num_key_value_heads=self.num_heads,
-                max_position_embeddings=self.max_positions,
-                bos_token_id=ByteTokenizer.bos_id,
-                eos_token_id=ByteTokenizer.eos_id,
-                tie_word_embeddings=True,
-            )
+            config = self.config()
             # Seeded locally, and always drawn in float32 then cast, so the same seed gives the same weights
             # on every rank, in every run and under every precision (a "*-true" plugin changes the default
             # dtype while the model is built, and a float64 draw is a different draw).
@@ -181,8 +194,13 @@ class ModelSpec:
                     torch.set_default_dtype(default_dtype)
             model = model.to(dtype)
         else:
+            placement = {} if device is None else {"device_map": {"": str(device)}}
             model, info = self._from_pretrained(
-                AutoModelForCausalLM, "is not a causal LM transformers can load", dtype=dtype, output_loading_info=True
+                AutoModelForCausalLM,
+                "is not a causal LM transformers can load",
+                dtype=dtype,
+                output_loading_info=True,
+                **placement,
             )
             self.check_loading(info)
         return model.eval().requires_grad_(False)
@@ -196,7 +214,7 @@ class ModelSpec:
         mismatched = [k for k, *_ in info.get("mismatched_keys") or []]
         problem = key_problem(self.path, info.get("missing_keys") or [], info.get("unexpected_keys") or [], mismatched)
         if problem:
-            raise ValueError(problem)
+            raise LitPplError(problem)
 
 
 def key_problem(

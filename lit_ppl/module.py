@@ -11,10 +11,24 @@ from torch import nn
 from torchmetrics import Metric
 
 from lit_ppl.distributed import check_peers, control_group
+from lit_ppl.errors import LitPplError
 from lit_ppl.metric import NLLBreakdown, Perplexity
 from lit_ppl.models import ModelSpec, key_problem
+from lit_ppl.parallel import Layout
 from lit_ppl.results import peak_memory, rank_memory
 from lit_ppl.scorer import TokenScorer, check_scorer
+from lit_ppl.sharding import (
+    device_mesh,
+    fsdp_mesh,
+    fully_shard_blocks,
+    load_from_rank0,
+    materialize,
+    shard_quantized_rows,
+    tp_group,
+    unloaded,
+    weight_bytes,
+)
+from lit_ppl.tensor_parallel import parallelize
 
 # Weights are loaded directly in the dtype a "*-true" precision computes in (a 70B checkpoint must not
 # pass through float32 first); mixed precisions keep float32 weights and autocast.
@@ -27,58 +41,47 @@ def _to_host(value: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[to
     return [v.detach().cpu().clone() for v in value]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly FSDP-sharded) tensor, sharing its memory."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def unloaded_parameters(module: nn.Module) -> list[str]:
-    """Names of parameters still NaN on any rank (each rank checks its own shards; one gather)."""
-    import torch.distributed as dist
-
-    names = [n for n, p in module.named_parameters() if bool(torch.isnan(_local(p)).any())]
-    if dist.is_available() and dist.is_initialized():
-        gathered: list[list[str] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, names)
-        names = sorted({n for part in gathered for n in part or []})
-    return names
-
-
 class PerplexityModule(L.LightningModule):
     """Evaluates a causal LM's perplexity in ``trainer.validate``.
 
     Args:
-        model: which LM to load; it is built in ``configure_model`` so sharding strategies can wrap it.
+        model: which LM to load; it is built in ``configure_model`` so that it can be split as it loads.
         chunk_size: scored positions per output-head chunk (bounds the logits memory).
-        shard: a callable ``shard(scorer, module)`` that wraps the built model for the strategy (FSDP);
-            ``None`` leaves it to the strategy (DDP replicates, single device does nothing).
-        quantize: a callable ``quantize(lm) -> report`` applied after the model is built and before it is
-            sharded; the report's ``quantized_params`` (names in ``lm``) are kept out of DDP/FSDP wrapping,
-            whose hooks cannot handle torchao's quantized tensors.
+        layout: how the ranks split the model and the data (:mod:`lit_ppl.parallel`); ``None``: one process.
+        quantize: a callable ``quantize(lm) -> report`` applied once the model holds its weights (each rank's
+            tensor-parallel slices) and before FSDP shards it; the report's ``quantized_params`` (names in ``lm``)
+            are kept out of DDP/FSDP wrapping, whose hooks cannot handle torchao's quantized tensors.
         timeout_s: how long the final synchronisation waits for every rank before naming the missing ones.
         compile_decoder: ``torch.compile`` the decoder (:mod:`lit_ppl.compiling`).
         deterministic: accumulate in exact fixed-point sums (:mod:`lit_ppl.exact`), the same at any world size.
+        breakdown: also sum the NLL per document and per window position (:class:`NLLBreakdown`: ``per_document``
+            and ``result["nll_by_position"]``); off, the step loop skips its scatter-adds.
     """
+
+    scorer_cls: type[TokenScorer] = TokenScorer
 
     def __init__(
         self,
         model: ModelSpec,
         chunk_size: int = 1024,
-        shard: Any = None,
+        layout: Layout | None = None,
         quantize: Any = None,
         timeout_s: float = 300.0,
         compile_decoder: bool = False,
         deterministic: bool = False,
+        breakdown: bool = False,
     ) -> None:
         super().__init__()
-        self.deterministic = deterministic
+        self.deterministic, self.want_breakdown = deterministic, breakdown
         self.compile_decoder = compile_decoder
-        self.spec, self.chunk_size, self.shard, self.quantize = model, chunk_size, shard, quantize
+        self.spec, self.chunk_size, self.layout, self.quantize = model, chunk_size, layout, quantize
+        self.mesh: Any = None  # the layout's device mesh, built once in configure_model
+        self.accumulate = True  # False on tensor-parallel ranks other than the first: their NLLs are its copies
         self.timeout_s = timeout_s
         self.quant_report: Any = None
         self.scorer: TokenScorer | None = None
         self.metric = Perplexity(exact=deterministic)
-        self.breakdown: NLLBreakdown | None = None  # sized in setup(), once the corpus is known
+        self.breakdown: NLLBreakdown | None = None  # with breakdown=True: sized in setup(), once the corpus is known
         self.per_document: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, nll sum) per document
         self.result: dict[str, Any] = {}
         self.scorer_check: dict[str, float] = {}  # the self-check of the scoring path (lit_ppl.scorer)
@@ -90,67 +93,91 @@ class PerplexityModule(L.LightningModule):
             return
         precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
         dtype = LOAD_DTYPE.get(precision, torch.float32)
-        if self.shard is not None and self.quantize is None and not self.spec.is_builtin:
-            self._build_sharded(dtype)
-            return
-        lm = self.spec.build(dtype)
-        if self.quantize is not None:
-            self.quant_report = self.quantize(lm)
-            # Lightning's DDP reads this attribute; FSDP2 gets the same set as ignored_params.
-            self._ddp_params_and_buffers_to_ignore = [f"scorer.lm.{n}" for n in self.quant_report.quantized_params]
-        self.scorer = TokenScorer(lm, self.chunk_size)
-        if self.compile_decoder:
-            from lit_ppl.compiling import compile_decoder
+        layout = self.layout
+        if layout is not None and layout.sharded:
+            self.mesh = device_mesh(layout, self.device.type)
+            self.accumulate = layout.tp_rank(self.global_rank) == 0
+        self.scorer, self.quant_report = self.build_scorer(self.spec, self.quantize, dtype)
 
-            compile_decoder(self.scorer)
-        if self.shard is not None:
-            self.shard(self.scorer, self)
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        """All of them: Lightning's DDP would broadcast rank 0's weights at validation start.
 
-    def _build_sharded(self, dtype: torch.dtype) -> None:
-        """FSDP without ever holding the whole model on a rank: meta parameters, shard, then load the shards.
-
-        Rank 0 loads the checkpoint as ``from_pretrained`` does and checks that its tensors are exactly the
-        model's; ``set_model_state_dict`` then sends every rank its shard. Parameters start as NaN, so one that
-        no tensor reached could not give a number, and :func:`unloaded_parameters` proves none is left.
+        Every rank read the same checkpoint (or drew the same seeded weights), quantized ones are compared by hash
+        (:func:`lit_ppl.quant_check.check_consistency`), and the broadcast costs a copy of every weight plus 250 MB
+        buffers on each rank (measured: 1632 MB peak RSS per rank for a 610 MiB model, against 980 without).
         """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        names = [n for n, _ in self.named_parameters(remove_duplicate=False)]
+        return names + [n for n, _ in self.named_buffers(remove_duplicate=False)]
 
-        lm = self.spec.build_empty(dtype)
+    def build_scorer(self, spec: ModelSpec, quantize: Any, dtype: torch.dtype) -> Any:
+        """The one pipeline for every model of the run: build → split (TP) → load → quantize → shard (FSDP).
+
+        Returns ``(scorer, quantization report or None)``. Split layouts build on the meta device, so that no rank
+        but the reader ever holds the whole model (:mod:`lit_ppl.sharding`); the built-in model is built whole
+        (it is small and seeded alike on every rank) and split the same way.
+        """
+        layout, cls = self.layout, self.scorer_cls
+        if layout is None or not layout.sharded:
+            lm = spec.build(dtype, self.device)
+            report = quantize(lm) if quantize is not None else None
+            return self._finish(cls(lm, self.chunk_size)), report
+        tp = tp_group(self.mesh, layout)
+        lm = spec.build(dtype) if spec.is_builtin else spec.build_empty(dtype)
         expected = set(lm.state_dict())
-        self.scorer = TokenScorer(lm, self.chunk_size)
-        self.shard(self.scorer, self)
-        buffers = dict(self.scorer.named_buffers())  # real values; to_empty would leave them uninitialised
-        self.scorer.to_empty(device=self.device)
-        with torch.no_grad():
-            for name, buffer in self.scorer.named_buffers():
-                buffer.copy_(buffers[name])
-            for param in self.scorer.parameters():
-                _local(param).fill_(float("nan"))
+        splits = parallelize(lm, tp) if tp is not None else {}
+        scorer = cls(lm, self.chunk_size, tp)
+        dp_mesh = fsdp_mesh(self.mesh, layout)
+        if quantize is None and dp_mesh is not None:
+            fully_shard_blocks(scorer, dp_mesh, set())
+        if not spec.is_builtin:
+            materialize(scorer, self.device)
+            self._load(spec, lm, dtype, expected, splits, tp)
+        report = quantize(lm, tp=layout.tp) if quantize is not None else None
+        if quantize is not None and dp_mesh is not None:
+            # FSDP2 cannot hold torchao's tensors: their rows are sharded by hand, the rest by fully_shard.
+            shard_quantized_rows(lm, report.quantized_params, self.mesh["dp_shard"].get_group())
+            quantized = {p for p in lm.parameters() if hasattr(p, "__tensor_flatten__")}
+            fully_shard_blocks(scorer, dp_mesh, quantized)
+        return self._finish(scorer), report
+
+    def _load(
+        self, spec: ModelSpec, lm: nn.Module, dtype: torch.dtype, expected: set[str], splits: Any, tp: Any
+    ) -> None:
+        """Rank 0 reads the checkpoint as ``from_pretrained`` does, checks that its tensors are exactly the model's
+        and broadcasts them; :func:`lit_ppl.sharding.unloaded` proves no parameter was left NaN."""
         full: dict[str, torch.Tensor] = {}
         problem = None
         if self.global_rank == 0:
             try:
-                full = self.spec.full_state_dict(dtype)
-                problem = key_problem(self.spec.path, expected - set(full), set(full) - expected)
-            except ValueError as err:  # told to every rank below, so that none waits for a broadcast
+                full = spec.full_state_dict(dtype)
+                problem = key_problem(spec.path, expected - set(full), set(full) - expected)
+            except LitPplError as err:  # told to every rank below, so that none waits for a broadcast
                 problem = str(err)
         problem = self.trainer.strategy.broadcast(problem)
         if problem:
-            raise ValueError(problem)
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
-        set_model_state_dict(lm, full, options=options)
-        del full
-        missing = unloaded_parameters(self.scorer)
+            raise LitPplError(problem)
+        load_from_rank0(lm, full, splits, tp)
+        missing = unloaded(lm)
         if missing:
-            raise ValueError(
-                f"model.path={self.spec.path!r}: {len(missing)} parameters hold NaN after sharded loading "
+            raise LitPplError(
+                f"model.path={spec.path!r}: {len(missing)} parameters hold NaN after sharded loading "
                 f"({', '.join(missing[:5])}): the checkpoint holds NaN there, or no tensor reached them (a bug in "
                 "lit-ppl: please report it)"
             )
 
+    def _finish(self, scorer: TokenScorer) -> TokenScorer:
+        if self.compile_decoder:
+            from lit_ppl.compiling import compile_decoder
+
+            compile_decoder(scorer)
+        return scorer
+
     def setup(self, stage: str) -> None:
         dm = self.trainer.datamodule
-        if self.breakdown is None and dm is not None and getattr(dm, "corpus", None) is not None:
+        if not self.want_breakdown or self.breakdown is not None:
+            return
+        if dm is not None and getattr(dm, "corpus", None) is not None:
             self.breakdown = NLLBreakdown(len(dm.corpus.doc_lengths), dm.seq_len, exact=self.deterministic)
 
     def metrics(self) -> dict[str, Metric]:
@@ -161,6 +188,20 @@ class PerplexityModule(L.LightningModule):
         # Precision plugins cast the whole module, metric states included; restore float64.
         for metric in self.metrics().values():
             metric.set_dtype(torch.float64)
+        if self.device.type == "cpu":
+            # glibc gives a step's freed activations (blocks of a few MB) back to the kernel and faults them in again
+            # on the next step: measured on stories260K (16 × 512, 1 thread) 11k-27k page faults and 28-70 ms of
+            # system time per 550 ms step, varying with the heap's history; kept in the heap, none (13.5k → 16.0k
+            # tok/s). Blocks up to 32 MB come from the heap and up to 64 MB of free heap stay mapped: the thresholds
+            # glibc's own dynamic rule reaches once a 32 MB block is freed, set from the start (mallopt's
+            # M_MMAP_THRESHOLD is -3, M_TRIM_THRESHOLD -1). Larger blocks are still mapped and unmapped each time.
+            import contextlib
+            import ctypes
+
+            with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to tune
+                libc = ctypes.CDLL("libc.so.6")
+                libc.mallopt(-3, 32 << 20)
+                libc.mallopt(-1, 64 << 20)
         self._control = control_group()
         self.scorer_check = check_scorer(self.scorer, self.device)
         self._first_bad_step = torch.tensor(-1, device=self.device)
@@ -172,12 +213,14 @@ class PerplexityModule(L.LightningModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         nll = self.score(batch)
-        self.metric.update(nll, batch["words"], batch["bytes"], batch["documents"])
-        if self.breakdown is not None:
-            self.breakdown.update(nll, batch["doc_ids"], batch["score_index"] % batch["input_ids"].shape[1])
-        # Remember the first step with a non-finite loss without a host sync in the loop.
-        bad = ~torch.isfinite(nll).all()
-        self._first_bad_step = torch.where(bad & (self._first_bad_step < 0), batch_idx, self._first_bad_step)
+        if self.accumulate:  # else a tensor-parallel copy of the first rank's NLLs: counted there, once
+            finite = torch.isfinite(nll)  # once per step: the metric's non-finite count and the first bad step
+            self.metric.update(nll, batch["words"], batch["bytes"], batch["documents"], finite=finite)
+            if self.breakdown is not None:
+                self.breakdown.update(nll, batch["doc_ids"], batch["score_index"] % batch["input_ids"].shape[1])
+            # Remember the first step with a non-finite loss without a host sync in the loop.
+            bad = ~finite.all()
+            self._first_bad_step = torch.where(bad & (self._first_bad_step < 0), batch_idx, self._first_bad_step)
         self.tokens_seen += batch["targets"].numel()
         self.steps += 1
 
@@ -210,7 +253,8 @@ class PerplexityModule(L.LightningModule):
         stats = self.metric.compute()  # the one cross-rank synchronisation of the metric
         sync_s = time.perf_counter() - t_sync
         mine = [self.tokens_seen, self.steps, int(self._first_bad_step), *peak_memory(self.device)]
-        per_rank = self.all_gather(torch.tensor(mine, device=self.device)).reshape(-1, 5)
+        mine.append(weight_bytes(self.scorer))
+        per_rank = self.all_gather(torch.tensor(mine, device=self.device)).reshape(-1, 6)
         if int(stats["nonfinite"]) > 0:
             first = {r: int(s) for r, s in enumerate(per_rank[:, 2].tolist()) if s >= 0}
             precision = str(self.trainer.precision)
@@ -229,12 +273,15 @@ class PerplexityModule(L.LightningModule):
             "rank_tokens": per_rank[:, 0].tolist(),
             "rank_steps": per_rank[:, 1].tolist(),
             **rank_memory(per_rank[:, 3].tolist(), per_rank[:, 4].tolist()),
+            "rank_weight_bytes": per_rank[:, 5].tolist(),
             "scorer_check": self.scorer_check,
         }
         for k in ("tokens", "words", "bytes", "documents"):
             self.result[k] = round(self.result[k])
         if self.breakdown is not None:
-            parts = {k: v.cpu() for k, v in self.breakdown.compute().items()}  # synced like the metric
+            # Synced like the metric. torchmetrics squeezes a one-element result to 0-d (a one-document corpus):
+            # reshape, so that the per-document table still has one row per document.
+            parts = {k: v.cpu().reshape(-1) for k, v in self.breakdown.compute().items()}
             self.result["nll_by_position"] = {
                 "sum": parts["pos_sum"].tolist(),
                 "sum_sq": parts["pos_sum_sq"].tolist(),

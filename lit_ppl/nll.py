@@ -13,10 +13,15 @@ from collections.abc import Callable
 
 import torch
 
+from lit_ppl.errors import LitPplError
+
 Head = Callable[[torch.Tensor], torch.Tensor]
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def chunked_nll(hidden: torch.Tensor, targets: torch.Tensor, head: Head, chunk_size: int = 1024) -> torch.Tensor:
+def chunked_nll(
+    hidden: torch.Tensor, targets: torch.Tensor, head: Head, chunk_size: int = 1024, loss: Loss | None = None
+) -> torch.Tensor:
     """Negative log-likelihood of ``targets`` given ``hidden`` states, computed ``chunk_size`` rows at a time.
 
     Args:
@@ -24,6 +29,8 @@ def chunked_nll(hidden: torch.Tensor, targets: torch.Tensor, head: Head, chunk_s
         targets: ``(n,)`` token ids those positions predict.
         head: maps ``(m, d)`` hidden states to ``(m, vocab)`` logits (the model's output head).
         chunk_size: rows per chunk; peak extra memory is ``chunk_size × vocab`` float32 values.
+        loss: ``loss(logits, targets)``, free to overwrite ``logits``; :func:`cross_entropy_` by default (a
+            vocabulary-parallel head passes :func:`lit_ppl.tensor_parallel.vocab_parallel_cross_entropy_`).
 
     Returns:
         ``(n,)`` float32 (or float64 for float64 inputs) per-token NLL in nats.
@@ -37,13 +44,14 @@ def chunked_nll(hidden: torch.Tensor, targets: torch.Tensor, head: Head, chunk_s
         True
     """
     if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        raise LitPplError(f"chunk_size must be >= 1, got {chunk_size}")
+    loss = loss or cross_entropy_
     out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     out = torch.empty(targets.shape[0], dtype=out_dtype, device=hidden.device)
     for start in range(0, targets.shape[0], chunk_size):
         end = start + chunk_size
         logits = head(hidden[start:end]).to(out_dtype)  # (m, vocab), never wider than one chunk
-        out[start:end] = cross_entropy_(logits, targets[start:end])
+        out[start:end] = loss(logits, targets[start:end])
         del logits  # else this chunk's logits stay alive while the next chunk's are computed: twice the peak
     return out
 

@@ -13,8 +13,11 @@ matplotlib.use("Agg")  # files only: no display on cluster nodes or in CI
 
 import matplotlib.pyplot as plt  # the backend is chosen above, before pyplot loads
 import numpy as np
+import torch
 
-from lit_ppl.results import quant_name  # not from report: report imports plots
+from lit_ppl.errors import LitPplError
+from lit_ppl.metric import mean_stderr
+from lit_ppl.results import batch_size, quant_name  # not from report: report imports plots
 
 SMOOTH_ABOVE = 256  # positions; longer windows also get a binned curve
 SMOOTH_BINS = 128
@@ -26,7 +29,7 @@ LABEL_FIELDS = (
     ("precision", lambda r: r.get("precision")),
     ("world", lambda r: r.get("world_size")),
     ("strategy", lambda r: r.get("strategy")),
-    ("batch", lambda r: r.get("config", {}).get("batch_size")),
+    ("batch", batch_size),  # the resolved number, not "auto"
     ("seq_len", lambda r: r.get("seq_len")),
     ("mode", lambda r: r.get("mode")),
 )
@@ -45,15 +48,12 @@ def position_stats(stats: dict[str, Sequence[float]]) -> tuple[np.ndarray, np.nd
     total_sq = np.asarray(stats["sum_sq"], dtype=np.float64)
     count = np.asarray(stats["count"], dtype=np.float64)
     if not total.shape == total_sq.shape == count.shape:
-        raise ValueError(
+        raise LitPplError(
             f"nll_by_position: sum, sum_sq, count differ in length ({total.size}, {total_sq.size}, {count.size})"
         )
-    with np.errstate(divide="ignore", invalid="ignore"):
-        mean = np.where(count > 0, total / count, np.nan)
-        # Sample variance from the raw moments; clipped at 0 because cancellation can make it slightly negative.
-        var = np.clip((total_sq - count * mean**2) / (count - 1), 0.0, None)
-        stderr = np.where(count > 1, np.sqrt(var / count), np.nan)
-    return count, mean, stderr
+    mean, stderr = mean_stderr(torch.from_numpy(total), torch.from_numpy(total_sq), torch.from_numpy(count))
+    # A lone token has no spread to estimate: NaN leaves a gap in the band rather than a misleading zero width.
+    return count, np.where(count > 0, mean.numpy(), np.nan), np.where(count > 1, stderr.numpy(), np.nan)
 
 
 def plot_nll_by_position(stats: dict[str, Sequence[float]], path: str | Path, title: str | None = None) -> Path:

@@ -55,13 +55,17 @@ class TokensPerSecondBar(TQDMProgressBar):
 
 
 # What a plain run hides (verbose=false): Lightning's device banner and advertising tips, the `srun` hint (lit-ppl
-# runs under srun or not by design, see slurm/) and a deprecation inside Lightning that users cannot act on. Each is
-# matched by its logger and message, so every other warning, lit-ppl's own included, still shows.
+# runs under srun or not by design, see slurm/) and deprecations and hints inside Lightning that users cannot act
+# on. Each is matched by its logger and message, so every other warning, lit-ppl's own included, still shows.
 _QUIET_INFO = ("GPU available:", "TPU available:", "HPU available:", "💡 Tip:")
 _QUIET_INFO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
 _QUIET_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     (r"The `srun` command is available on your system but is not used", Warning),
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+    # Lightning's own all_gather (the per-rank token counts) calls a torch function torch now deprecates.
+    (r"torch.distributed.nn.functional.all_gather is deprecated", Warning),
+    # The final PPL is logged once, from the already-synced metric: a sync_dist would only average equal values.
+    (r"It is recommended to use `self.log\('(ppl|nll_mean)', ..., sync_dist=True\)`", Warning),
 )
 
 
@@ -94,3 +98,10 @@ def set_verbose(verbose: bool) -> None:
             warnings.filterwarnings("ignore", message=message, category=category)
         elif ours:
             warnings.filterwarnings("default", message=message, category=category)
+    # transformers' "Loading weights" bar (rank 0 reading a checkpoint, every rank under ddp).
+    from transformers.utils import logging as transformers_logging
+
+    if verbose:
+        transformers_logging.enable_progress_bar()
+    else:
+        transformers_logging.disable_progress_bar()

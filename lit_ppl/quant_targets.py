@@ -39,8 +39,12 @@ class Target:
 
 
 def foreign_forward(module: nn.Module) -> bool:
-    """An ``nn.Linear`` (sub)class whose ``forward`` is not ``nn.Linear``'s: it may not call ``F.linear``."""
-    return isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward
+    """An ``nn.Linear`` (sub)class whose ``forward`` is not ``nn.Linear``'s: it may not call ``F.linear``.
+
+    lit-ppl's own subclasses that do (the tensor-parallel row layer) say so with ``calls_f_linear = True``.
+    """
+    own = getattr(type(module), "calls_f_linear", False)
+    return isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward and not own
 
 
 def to_plain_linear(lm: nn.Module) -> dict[str, str]:

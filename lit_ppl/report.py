@@ -15,14 +15,14 @@ Exit status: 0 when every checked pair agrees, 1 on a mismatch, 2 when a run can
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lit_ppl.results import SCHEMA_VERSION, quant_name
+from lit_ppl.report_table import print_table, to_csv, to_markdown
+from lit_ppl.results import SCHEMA_VERSION, batch_size, quant_name, write_text_atomic
 
 RESULTS = "results.json"
 REQUIRED = ("ppl", "ppl_ci95", "tokens", "world_size", "strategy", "precision", "config")
@@ -30,23 +30,6 @@ REQUIRED = ("ppl", "ppl_ci95", "tokens", "world_size", "strategy", "precision", 
 IGNORED_DATA_KEYS = ("_target_", "cache_dir", "num_proc")
 IGNORED_MODEL_KEYS = ("_target_",)
 IGNORED_QUANT_KEYS = ("source",)  # every rank quantizing vs rank 0 broadcasting: the same weights either way
-COLUMNS = (
-    ("run", "run"),
-    ("ppl", "PPL"),
-    ("ci95", "95% CI"),
-    ("delta_ppl", "ΔPPL"),
-    ("delta_pct", "ΔPPL %"),
-    ("ci_overlap", "CI overlap"),
-    ("tokens", "tokens"),
-    ("world_size", "world"),
-    ("batch_size", "batch"),
-    ("strategy", "strategy"),
-    ("precision", "precision"),
-    ("quant", "quant"),
-    ("tokens_per_s", "tok/s"),
-    ("kld_mean", "mean KLD"),
-    ("same_top", "top-1 agree"),
-)
 
 
 class ReportError(Exception):
@@ -88,11 +71,6 @@ def load_run(path: str | Path) -> dict[str, Any]:
     return {**results, "run": label, "results_path": str(file)}
 
 
-def batch_size(run: dict[str, Any]) -> Any:
-    """The run's batch size (windows per step), or ``None`` if the config lacks it."""
-    return run.get("config", {}).get("batch_size")
-
-
 def intervals_overlap(a: Sequence[float], b: Sequence[float]) -> bool:
     """Whether the closed intervals ``a`` and ``b`` share a point."""
     return a[0] <= b[1] and b[0] <= a[1]
@@ -105,8 +83,9 @@ def compare_runs(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         runs: results as returned by :func:`load_run`.
 
     Returns:
-        Rows with the keys of ``COLUMNS`` (plus ``ci95_low``/``ci95_high``, ``num_nodes``, ``batch_size``);
-        raw numbers, ``None`` where a value does not apply (the baseline's Δ, a run without a comparison).
+        Rows with the keys of :data:`lit_ppl.report_table.COLUMNS` (plus ``ci95_low``/``ci95_high``,
+        ``num_nodes``, ``batch_size``); raw numbers, ``None`` where a value does not apply (the baseline's Δ, a
+        run without a comparison).
     """
     rows = []
     base = runs[0] if runs else None
@@ -202,88 +181,6 @@ def consistency(runs: Sequence[dict[str, Any]], rel: float = 1e-6) -> list[str]:
     return problems
 
 
-def _fmt(key: str, value: Any) -> str:
-    """A row value as text, the same in the terminal and in Markdown."""
-    if value is None:
-        return "—"
-    if key == "ci_overlap":
-        return "yes" if value else "NO"
-    if key == "delta_ppl":
-        return f"{value:+.6f}"
-    if key == "delta_pct":
-        return f"{value:+.4f}%"
-    if key == "ppl":
-        return f"{value:.6f}"
-    if key == "tokens_per_s":
-        return f"{value:,.0f}"
-    if key == "tokens":
-        return f"{value:,}"
-    if key == "kld_mean":
-        return f"{value:.4g}"  # quantized models' KLDs span 1e-7..1: fixed decimals would print zeros
-    if key == "same_top":
-        return f"{100 * value:.3f}%"
-    return str(value)
-
-
-def format_row(row: dict[str, Any]) -> dict[str, str]:
-    """The displayed text of each column of ``COLUMNS`` for one row of :func:`compare_runs`."""
-    out = {key: _fmt(key, row.get(key)) for key, _ in COLUMNS if key != "ci95"}
-    out["ci95"] = f"[{row['ci95_low']:.4f}, {row['ci95_high']:.4f}]"
-    return out
-
-
-def visible_columns(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
-    """``COLUMNS`` less the comparison columns when no run has a comparison (they would be all dashes)."""
-    has_compare = any(r.get("kld_mean") is not None for r in rows)
-    return [(k, h) for k, h in COLUMNS if has_compare or k not in ("kld_mean", "same_top")]
-
-
-def to_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """A GitHub-flavoured Markdown table of :func:`compare_runs`'s rows (numbers right-aligned)."""
-    cols = visible_columns(rows)
-    left = {"run", "strategy", "precision", "quant", "ci_overlap"}
-    lines = [
-        "| " + " | ".join(h for _, h in cols) + " |",
-        "|" + "|".join(":---" if k in left else "---:" for k, _ in cols) + "|",
-    ]
-    for row in rows:
-        text = format_row(row)
-        lines.append("| " + " | ".join(text[k].replace("|", "\\|") for k, _ in cols) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def to_csv(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Write :func:`compare_runs`'s rows as CSV with raw (unformatted) numbers; empty cells for ``None``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields = list(rows[0]) if rows else [k for k, _ in COLUMNS]
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
-
-
-def print_table(rows: Sequence[dict[str, Any]], console: Any = None) -> None:
-    """Print :func:`compare_runs`'s rows as a Rich table."""
-    from rich.console import Console
-    from rich.table import Table
-
-    # A pipe or a CI log reports 80 columns, which would wrap every cell of this wide table.
-    console = console or Console()
-    if not console.is_terminal:
-        console.width = max(console.width, 200)
-    table = Table(title=f"lit-ppl report · {len(rows)} run{'s' if len(rows) != 1 else ''} · Δ vs {rows[0]['run']}")
-    for key, header in visible_columns(rows):
-        table.add_column(header, justify="left" if key in ("run", "strategy", "precision", "quant") else "right")
-    for row in rows:
-        text = format_row(row)
-        if row["ci_overlap"] is False:
-            text["ci_overlap"] = "[bold red]NO[/]"
-        table.add_row(*(text[k] for k, _ in visible_columns(rows)))
-    console.print(table)
-
-
 def common_parent(paths: Sequence[str | Path]) -> Path:
     """The deepest directory containing every path (where a sweep's plot goes)."""
     parts = [Path(p).resolve().parts for p in paths]
@@ -342,8 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_table(rows)
     try:
         if args.markdown:
-            Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.markdown).write_text(to_markdown(rows))
+            write_text_atomic(args.markdown, to_markdown(rows))
             print(f"markdown: {args.markdown}")
         if args.csv:
             print(f"csv: {to_csv(rows, args.csv)}")

@@ -56,7 +56,11 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        # Name the file the caller asked for, not a temp name it never heard of (OSError picks the subclass).
+        raise OSError(err.errno, err.strerror, str(path)) from err
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -100,6 +104,7 @@ def build_results(stats: dict[str, Any], run: dict[str, Any], config: dict[str, 
         "rank_steps": stats["rank_steps"],
         "rank_peak_rss_mb": stats.get("rank_peak_rss_mb"),
         "rank_peak_device_mb": stats.get("rank_peak_device_mb"),
+        "rank_weight_bytes": stats.get("rank_weight_bytes"),
         "scorer_check": stats.get("scorer_check"),
         "nll_by_position": stats.get("nll_by_position"),
         "config": config,
@@ -113,6 +118,12 @@ def quant_name(run: dict[str, Any]) -> str:
     if isinstance(applied, dict) and applied.get("name"):
         return str(applied["name"])
     return str(run.get("config", {}).get("quant", {}).get("name", "none"))
+
+
+def batch_size(run: dict[str, Any]) -> Any:
+    """Windows per step: the resolved number (also under ``batch_size=auto``), else the configured value, else None."""
+    resolved = run.get("batch_size")
+    return resolved if resolved is not None else run.get("config", {}).get("batch_size")
 
 
 def write_per_document(path: Path, tokens: Any, nll_sum: Any) -> Path:
@@ -174,6 +185,11 @@ def print_table(results: dict[str, Any]) -> None:
         ),
         ("seconds · tokens/s", f"{results['seconds']:.2f} · {results['tokens_per_s'] or 0:,.0f}"),
     ]
+    layout = results.get("parallel")
+    if layout and layout["kind"] not in ("single", "ddp"):  # a split model: what each rank holds is the point
+        dims = f"{layout['dp_replicate']} × {layout['dp_shard']} × {layout['tp']}"
+        rows.append(("layout dp_replicate × dp_shard × tp", dims))
+        rows.append(("weights per rank (MB)", per_rank([round(b / 2**20, 1) for b in results["rank_weight_bytes"]])))
     for key, name in (
         ("rank_peak_rss_mb", "peak RSS per rank (MB)"),
         ("rank_peak_device_mb", "peak GPU per rank (MB)"),
@@ -189,6 +205,32 @@ def print_table(results: dict[str, Any]) -> None:
                 f"{100 * quant['full_precision_fraction']:.1f}% of weight bytes in full precision",
             )
         )
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+
+
+def print_compare_table(compare: dict[str, Any]) -> None:
+    """Print llama.cpp-style headline statistics of a comparison (``results.json``'s ``compare``)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    c = compare
+    table = Table(title=f"candidate vs reference · {c['tokens']:,} tokens")
+    table.add_column("statistic")
+    table.add_column("value", justify="right")
+    rows = [
+        ("PPL(Q) · PPL(base)", f"{c['ppl']:.6f} ± {c['ppl_unc']:.6f} · {c['ppl_base']:.6f} ± {c['ppl_base_unc']:.6f}"),
+        ("Cor(ln PPL(Q), ln PPL(base))", f"{100 * c['ln_ppl_correlation']:.2f}%"),
+        ("PPL(Q)/PPL(base)", f"{c['ppl_ratio']:.6f} ± {c['ppl_ratio_unc']:.6f}"),
+        ("mean KLD", f"{c['kld_mean']:.6f} ± {c['kld_mean_unc']:.6f}"),
+        (
+            "KLD max · 99% · median · min",
+            f"{c['kld_max']:.6f} · {c['kld_p99']:.6f} · {c['kld_p50']:.6f} · {c['kld_min']:.6f}",
+        ),
+        ("mean Δp · RMS Δp", f"{100 * c['p_diff_mean']:.3f}% · {100 * c['p_diff_rms']:.3f}%"),
+        ("same top-1", f"{100 * c['same_top']:.3f} ± {100 * c['same_top_unc']:.3f}%"),
+    ]
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)

@@ -10,6 +10,12 @@ A rerun with the same ``output_dir`` restores the newest step that *every* rank 
 the same steps) and skips the batches done. The float64 states are restored exactly and the remaining
 batches are the same batches, so the result is bit-identical to an uninterrupted run. Progress of another
 configuration, world size or dataset is refused with a message, never mixed in.
+
+The batches are the same only under the same *batch plan*: the windows per batch and the ranks' weights, saved
+with the progress. The rank weights are restored (a measured balance is not measured again). Under
+``batch_size=auto`` the probe only checks that the saved size still fits (its ``max_batch`` is capped at it), so
+that a requeue onto a node with more memory continues exactly; one where the saved size no longer fits (or a run
+given another number) is refused with one line before it scores a batch.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lit_ppl.distributed import control_group, peers_alive
+from lit_ppl.errors import LitPplError
 
 _FILE = re.compile(r"rank(\d+)-step(\d+)\.pt$")
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -86,6 +93,7 @@ class ResumeCallback(Callback):
         self.config, self.save_every, self.check_every = config, save_every, max(1, check_every)
         self.start_step = 0
         self._restored: dict[str, Any] | None = None
+        self.plan: dict[str, Any] = {}  # windows per batch and rank weights, known once val_dataloader resolved them
 
     # -- files ---------------------------------------------------------------------------------------------
     def _files(self, rank: int) -> dict[int, Path]:
@@ -103,7 +111,7 @@ class ResumeCallback(Callback):
             "fingerprint": self.fp,
             "world_size": trainer.world_size,
             "step": step,
-            "rank_weights": trainer.datamodule.rank_weights,  # a measured balance is not measured again
+            "plan": self.plan,
             **module.progress_state(),
         }
         path = self.dir / f"rank{rank}-step{step}.pt"
@@ -118,12 +126,10 @@ class ResumeCallback(Callback):
         dm = trainer.datamodule  # set up already: Lightning runs the datamodule's setup before the callbacks'
         w = dm.windows
         # The token store's key names the files (path, size, mtime) and the tokenizer, wherever the cache is.
-        store = dm.store.name if dm.store is not None else ""
-        plan = hashlib.sha256(f"{dm.batch_size}|{store}".encode())
+        data = hashlib.sha256((dm.store.name if dm.store is not None else "").encode())
         for a in (w.start, w.end, w.score_from):
-            plan.update(memoryview(np.ascontiguousarray(a)))  # no joined copy: 24 bytes per window
-        digest = plan.hexdigest()[:16]
-        self.fp = fingerprint({**self.config, "world_size": trainer.world_size}, digest)
+            data.update(memoryview(np.ascontiguousarray(a)))  # no joined copy: 24 bytes per window
+        self.fp = fingerprint({**self.config, "world_size": trainer.world_size}, data.hexdigest()[:16])
         mine = self._files(trainer.global_rank)
         group = control_group()
         everyone = [None] * trainer.world_size
@@ -138,14 +144,40 @@ class ResumeCallback(Callback):
         step = max(common)
         state = torch.load(mine[step], map_location="cpu", weights_only=True)
         if state["fingerprint"] != self.fp or state["world_size"] != trainer.world_size:
-            raise ValueError(
+            raise LitPplError(
                 f"{self.dir} holds progress of a different run (configuration, data or world size "
                 f"{state['world_size']} differ); use another output_dir or delete {self.dir} to start over"
             )
+        saved = state["plan"]
+        if dm.batch_size == "auto":
+            # Resolved to the saved size, the batches are the saved plan's: the probe need only say it still fits.
+            cap = min(int(dm.autobatch.get("max_batch", saved["batch_size"])), saved["batch_size"])
+            dm.autobatch = {**dm.autobatch, "max_batch": cap}
+        else:  # a number: checked now, before the model loads
+            self._check_plan(saved, {**saved, "batch_size": dm.batch_size})
         self.start_step, self._restored = step, state
-        dm.skip_batches, dm.rank_weights = step, state.get("rank_weights")
+        dm.skip_batches, dm.rank_weights = step, saved["rank_weights"]
         if trainer.is_global_zero:
             print(f"lit-ppl: resuming from step {step} (progress in {self.dir})", file=sys.stderr)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The first hook after val_dataloader resolved batch_size=auto and the rank weights, and before any step.
+        dm = trainer.datamodule
+        self.plan = {"batch_size": dm.batch_size, "rank_weights": dm.rank_weights}
+        if self._restored is not None:
+            self._check_plan(self._restored["plan"], self.plan)
+
+    def _check_plan(self, saved: dict[str, Any], now: dict[str, Any]) -> None:
+        """Refuse progress of another batch plan: its steps were other batches than this run's."""
+        if saved == now:
+            return
+        if saved["batch_size"] != now["batch_size"]:
+            what = f"batches of {saved['batch_size']} windows, but this run makes batches of {now['batch_size']}"
+            hint = f"set batch_size={saved['batch_size']} if it fits, or delete {self.dir} to start over"
+        else:  # restored from the progress, unless it had none and distributed.balance now asks for weights
+            what = f"rank weights {saved['rank_weights']}, but this run has {now['rank_weights']}"
+            hint = f"resume with the distributed.balance it had, or delete {self.dir} to start over"
+        raise LitPplError(f"{self.dir} holds progress of {what}: its steps are other batches than this run's; {hint}")
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._restored is not None:

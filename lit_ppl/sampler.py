@@ -26,16 +26,18 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from torch.utils.data import Sampler
 
+from lit_ppl.errors import LitPplError
+
 PAD = -1  # window id of a padding batch entry: scored tokens 0, documents 0
 
 
 def _check_weights(weights: Sequence[float] | None, world_size: int) -> list[float]:
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise LitPplError(f"world_size must be >= 1, got {world_size}")
     if weights is None:
         return [1.0] * world_size
     if len(weights) != world_size or not all(w > 0 for w in weights):
-        raise ValueError(f"rank weights {list(weights)} must be {world_size} positive numbers, one per rank")
+        raise LitPplError(f"rank weights {list(weights)} must be {world_size} positive numbers, one per rank")
     return [float(w) for w in weights]
 
 
@@ -102,7 +104,7 @@ def plan_batches(
     under FSDP) costs every rank about the same time.
     """
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise LitPplError(f"batch_size must be >= 1, got {batch_size}")
     speed = _check_weights(weights, world_size)
     lengths = np.asarray(lengths)
     if deterministic:
@@ -143,7 +145,7 @@ class ExactBatchSampler(Sampler[list[int]]):
         deterministic: bool = False,
     ) -> None:
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
+            raise LitPplError(f"rank {rank} is outside [0, world_size={world_size})")
         self.plan = plan_batches(lengths, world_size, batch_size, weights, deterministic)
         self.batches = self.plan[rank]
         self.skip = skip

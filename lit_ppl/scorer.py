@@ -11,11 +11,13 @@ stops the run instead of giving a wrong number.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 
 from lit_ppl.nll import chunked_nll
+from lit_ppl.tensor_parallel import Group, gather_vocab, vocab_parallel_cross_entropy_
 
 # What each architecture's ``ForCausalLM.forward`` multiplies the head's output by. Keyed by model_type, not by
 # config attribute: one name means different things (Granite divides by ``logits_scaling``, HyperCLOVA X
@@ -69,16 +71,24 @@ def head_fn(model: nn.Module, head: nn.Module) -> Callable[[torch.Tensor], torch
 class TokenScorer(nn.Module):
     """Per-token NLL of a causal LM's scored positions, with the logits chunked.
 
-    A module of its own (rather than calls on the LM's parts) so that FSDP's root hooks fire around it:
-    embeddings, final norm and output head live at the root of the sharded tree.
+    A module of its own (rather than calls on the LM's parts) so that FSDP's root hooks fire around it: the final
+    norm (and tied embeddings and head) live at the root of the sharded tree. Under tensor parallelism
+    (``tp``) the head gives this rank's slice of the vocabulary and the loss reduces over the group.
     """
 
-    def __init__(self, lm: nn.Module, chunk_size: int) -> None:
+    def __init__(self, lm: nn.Module, chunk_size: int, tp: Group | None = None) -> None:
         super().__init__()
         self.lm = lm
         self.decoder, head = decoder_and_head(lm)
         self.head = head_fn(lm, head)
+        self.head_module = head
         self.chunk_size = chunk_size
+        self.tp = tp
+        self.loss = None if tp is None else partial(vocab_parallel_cross_entropy_, start=head.vocab_start, tp=tp)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The whole vocabulary's logits from this rank's ``logits`` (themselves without tensor parallelism)."""
+        return logits if self.tp is None else gather_vocab(logits, self.tp)
 
     def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The decoder's last hidden states, ``(b, t, d)``."""
@@ -87,7 +97,14 @@ class TokenScorer(nn.Module):
     def forward(self, input_ids: torch.Tensor, score_index: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         hidden = self.hidden(input_ids)  # (b, t, d)
         scored = hidden.reshape(-1, hidden.shape[-1]).index_select(0, score_index)  # (n, d)
-        return chunked_nll(scored, targets, self.head, self.chunk_size)  # (n,)
+        nll = chunked_nll(scored, targets, self.head, self.chunk_size, self.loss)  # (n,)
+        self.release_head()
+        return nll
+
+    def release_head(self) -> None:
+        """Free the gathered output head once every chunk is scored (an FSDP2 unit kept gathered across chunks)."""
+        if hasattr(self.head_module, "reshard"):
+            self.head_module.reshard()
 
 
 def check_scorer(scorer: TokenScorer, device: torch.device, length: int = CHECK_TOKENS) -> dict[str, float]:
@@ -99,7 +116,11 @@ def check_scorer(scorer: TokenScorer, device: torch.device, length: int = CHECK_
     position and vocabulary entry, and the NLLs at every position.
     """
     lm = scorer.lm
-    vocab = lm.get_output_embeddings().weight.shape[0]
+    vocab = lm.get_input_embeddings().weight.shape[0]
+    if scorer.tp is not None:  # each rank holds a slice of the vocabulary: the seeded ids must span all of it
+        sizes = torch.tensor(vocab, device=device)
+        torch.distributed.all_reduce(sizes, group=scorer.tp.group)
+        vocab = int(sizes)
     ids = torch.randint(0, vocab, (1, length + 1), generator=torch.Generator().manual_seed(0)).to(device)
     inputs, targets = ids[:, :-1], ids[0, 1:]
     with torch.no_grad():
@@ -109,11 +130,12 @@ def check_scorer(scorer: TokenScorer, device: torch.device, length: int = CHECK_
         if sharded:
             scorer.unshard()
         try:
-            logits = lm(input_ids=inputs, use_cache=False).logits[0]  # (t, vocab)
-            ours = scorer.head(scorer.hidden(inputs)[0])  # (t, vocab)
+            logits = scorer.full_logits(lm(input_ids=inputs, use_cache=False).logits[0])  # (t, vocab)
+            ours = scorer.full_logits(scorer.head(scorer.hidden(inputs)[0]))  # (t, vocab)
         finally:
             if sharded:
                 scorer.reshard()
+                scorer.release_head()
     theirs = logits.to(torch.float64).log_softmax(-1)
     theirs_nll = -theirs.gather(1, targets[:, None]).squeeze(1)
     # Where the model itself gives NaN/inf (broken weights, masked vocabulary entries) there is nothing to compare:

@@ -20,6 +20,8 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+from lit_ppl.errors import LitPplError
+
 DEMO_TEXT = "package://lit_ppl.assets/demo.txt"
 FORMATS = ("auto", "text", "json", "parquet")
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
@@ -69,23 +71,23 @@ class DataSpec:
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
-            raise ValueError(f"data.format={self.format!r} is not one of {', '.join(FORMATS)}")
+            raise LitPplError(f"data.format={self.format!r} is not one of {', '.join(FORMATS)}")
         raw = [] if self.path in (None, "") else [self.path] if isinstance(self.path, str) else list(self.path)
         self.paths = expand_paths([str(p) for p in raw])
         if not self.paths and not self.hub_name:
-            raise ValueError("no data: set data.path=FILE (a directory, a glob or a list) or data.hub_name=NAME")
+            raise LitPplError("no data: set data.path=FILE (a directory, a glob or a list) or data.hub_name=NAME")
         self.builder = builder_of(self.paths, self.format) if self.paths else "hub"
         if self.encoding_errors not in _ERRORS:
-            raise ValueError(f"data.encoding_errors={self.encoding_errors!r} is not one of {', '.join(_ERRORS)}")
+            raise LitPplError(f"data.encoding_errors={self.encoding_errors!r} is not one of {', '.join(_ERRORS)}")
         if self.limit is not None and (type(self.limit) is not int or self.limit < 1):
-            raise ValueError(f"data.limit={self.limit!r} must be a positive number of documents or null")
+            raise LitPplError(f"data.limit={self.limit!r} must be a positive number of documents or null")
         if self.num_proc is not None and (type(self.num_proc) is not int or self.num_proc < 1):
-            raise ValueError(f"data.num_proc={self.num_proc!r} must be a positive number of processes or null")
+            raise LitPplError(f"data.num_proc={self.num_proc!r} must be a positive number of processes or null")
         if self.document_separator is not None:
             try:
                 re.compile(self.document_separator)
             except re.error as err:
-                raise ValueError(f"data.document_separator={self.document_separator!r} is not a regex: {err}") from err
+                raise LitPplError(f"data.document_separator={self.document_separator!r} is not a regex: {err}") from err
 
     def fingerprint(self, tokenizer_fingerprint: str, version: str) -> str:
         """Key of the tokenized corpus: the files (path, size, mtime) or the hub dataset, the reading options and
@@ -125,7 +127,7 @@ def builder_of(paths: list[str], fmt: str) -> str:
     kinds = {p: file_format(p) for p in paths}
     if len(set(kinds.values())) > 1:
         example = {k: next(p for p, f in kinds.items() if f == k) for k in sorted(set(kinds.values()))}
-        raise ValueError(
+        raise LitPplError(
             f"data.path mixes formats {example}; give files of one format, or set data.format=text|json|parquet"
         )
     return next(iter(kinds.values()))
@@ -198,7 +200,7 @@ def _texts(spec: DataSpec, batch_size: int) -> Iterator[list[str]]:
         yield from _column(ds.iter(batch_size=batch_size), spec, spec.describe())
     except UnicodeDecodeError:
         path, offset = next((p, o) for p in spec.paths if (o := _bad_utf8_offset(p)) is not None)
-        raise ValueError(
+        raise LitPplError(
             f"{path} is not valid UTF-8 at byte offset {offset}; fix the file or set data.encoding_errors=replace "
             "(or ignore)"
         ) from None
@@ -206,13 +208,13 @@ def _texts(spec: DataSpec, batch_size: int) -> Iterator[list[str]]:
         bad = next(((p, e) for p in spec.paths if (e := _decompress_error(p)) is not None), None)
         if bad is None:
             raise
-        raise ValueError(f"data.path file {bad[0]} is not a valid {Path(bad[0]).suffix} file: {bad[1]}") from err
+        raise LitPplError(f"data.path file {bad[0]} is not a valid {Path(bad[0]).suffix} file: {bad[1]}") from err
 
 
 def _column(batches: Iterator[dict[str, list]], spec: DataSpec, where: str) -> Iterator[list[str]]:
     for batch in batches:
         if spec.text_field not in batch:
-            raise ValueError(f"data.text_field={spec.text_field!r} is not a column of {where}; it has {sorted(batch)}")
+            raise LitPplError(f"data.text_field={spec.text_field!r} is not a column of {where}; it has {sorted(batch)}")
         yield batch[spec.text_field]
 
 
@@ -258,7 +260,7 @@ def _load_hub(spec: DataSpec):
     try:
         return datasets.load_dataset(spec.hub_name, spec.hub_config, split=spec.split)
     except ConnectionError as err:
-        raise ValueError(
+        raise LitPplError(
             f"data.hub_name={spec.hub_name!r} is not in the datasets cache and the hub cannot be reached ({err}); "
             "run `python -m lit_ppl.fetch` with the same model and data overrides where the hub is reachable (with "
             "HF_HOME and data.cache_dir on storage these nodes read), or give a local data.path"

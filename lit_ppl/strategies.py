@@ -1,69 +1,36 @@
 """Lightning strategies for evaluation, each with the timeout that keeps a dead rank from hanging the rest.
 
-* ``auto`` — one process (one device); with several, ``ddp``.
-* ``ddp`` — the model replicated in every process.
-* ``fsdp`` — FSDP2 (``fully_shard`` on every decoder block, then the root) over all ranks, through
-  Lightning's ``ModelParallelStrategy`` with ``data_parallel_size=world`` and ``tensor_parallel_size=1``
-  (its ``"auto"`` defaults would mean tensor parallelism on 2 devices). Lightning's ``FSDPStrategy``
-  refuses CPU; FSDP2 runs on CPU with gloo.
-* ``hsdp`` — FSDP2 on a 2D mesh: replicate across nodes, shard within a node.
+The layout (:mod:`lit_ppl.parallel`) decides the strategy:
+
+* one process — Lightning's ``auto``;
+* data parallel only (``ddp``) — ``DDPStrategy``: the model replicated in every process;
+* anything split (``fsdp``, ``hsdp``, ``tp``, ``fsdp_tp``) — Lightning's ``ModelParallelStrategy`` with
+  ``data_parallel_size × tensor_parallel_size`` = the layout's; the module splits and shards the model itself in
+  ``configure_model`` (:mod:`lit_ppl.sharding`). Lightning's ``FSDPStrategy`` refuses CPU; FSDP2 runs on CPU with gloo.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from datetime import timedelta
-from functools import partial
 
-import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
-from torch import nn
 
-STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
+from lit_ppl.errors import LitPplError
+from lit_ppl.parallel import Layout
+
+STRATEGIES = ("auto", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp")  # the presets under conf/strategy/
 DEFAULT_THREADS = torch.get_num_threads()  # at import: one per core unless OMP_NUM_THREADS says otherwise
-Shard = Callable[[nn.Module, L.LightningModule], None]
 
 
-def decoder_blocks(lm: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: Hugging Face names their classes in ``_no_split_modules``."""
-    names = set(getattr(lm, "_no_split_modules", None) or [])
-    blocks = [m for m in lm.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise ValueError(f"{type(lm).__name__} declares no _no_split_modules; cannot find its decoder blocks")
-    return blocks
-
-
-def shard_fsdp2(scorer: nn.Module, module: L.LightningModule, hybrid: bool = False) -> None:
-    """``fully_shard`` every decoder block, then the scorer (whose root holds embeddings, norm and head)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    if hybrid:
-        nodes = module.trainer.num_nodes
-        world = module.trainer.world_size
-        # Dim 0 replicates across nodes, dim 1 shards within a node: all-gathers stay on the fast links.
-        mesh = init_device_mesh(module.device.type, (nodes, world // nodes), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = module.device_mesh["data_parallel"]
-    # torchao's quantized tensors do not support the ops FSDP2 shards with (aten.split): they stay
-    # replicated on every rank.
-    report = getattr(module, "quant_report", None)
-    names = set(report.quantized_params) if report is not None else set()
-    ignored = {p for n, p in scorer.lm.named_parameters() if n in names}
-    for block in decoder_blocks(scorer.lm):
-        fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=ignored)
-    fully_shard(scorer, mesh=mesh, reshard_after_forward=True, ignored_params=ignored)
-
-
-def precision_args(name: str, precision: str, accelerator: str) -> dict:
-    """Trainer keyword arguments that select ``precision`` under strategy ``name``.
+def precision_args(layout: Layout, precision: str, accelerator: str) -> dict:
+    """Trainer keyword arguments that select ``precision`` under ``layout``'s strategy.
 
     Lightning refuses ``64-true`` and ``16-mixed`` with ``ModelParallelStrategy`` by a flag check only; given as
     plugin instances they work with FSDP2 (float64 weights are loaded as such, autocast wraps the step).
     """
-    if name not in ("fsdp", "hsdp") or precision not in ("64-true", "16-mixed", "64"):
+    if not layout.sharded or precision not in ("64-true", "16-mixed", "64"):
         return {"precision": precision}
     from lightning.pytorch.plugins import DoublePrecision, MixedPrecision
 
@@ -80,7 +47,7 @@ def check_devices(accelerator: str, devices: int) -> None:
         return  # CPU "devices" are processes: more than the cores is slow but valid
     visible = torch.cuda.device_count()
     if devices > visible:
-        raise ValueError(
+        raise LitPplError(
             f"trainer.accelerator={accelerator} trainer.devices={devices}, but {visible} CUDA devices are visible "
             f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use trainer.devices<={visible} or "
             "trainer.accelerator=cpu"
@@ -106,15 +73,20 @@ def set_cpu_threads(accelerator: str, devices: int, deterministic: bool = False)
         torch.set_num_threads(DEFAULT_THREADS)
 
 
-def check_deterministic(batch_size: int | str, compile_decoder: bool) -> None:
+def check_deterministic(batch_size: int | str, compile_decoder: bool, tp: int = 1) -> None:
     """What deterministic mode cannot promise the same bits for, refused before anything loads."""
+    if tp > 1:
+        raise LitPplError(
+            f"parallel.tp={tp} with eval.deterministic=true: tensor parallelism splits every matmul's sum over the "
+            "group, so its bits differ from tp=1's (by ~1e-9 relative in PPL); use parallel.tp=1 (ddp, fsdp, hsdp)"
+        )
     if batch_size == "auto":
-        raise ValueError(
+        raise LitPplError(
             "batch_size=auto with eval.deterministic=true: the probed size can differ between machines and world "
             "sizes, and a window's batch decides its bits; give a number"
         )
     if compile_decoder:
-        raise ValueError(
+        raise LitPplError(
             "compile=true with eval.deterministic=true: the kernels torch.compile generates for a batch shape depend "
             "on the shapes a rank compiled before; use compile=false"
         )
@@ -135,17 +107,11 @@ def cluster_plugins() -> list:
     return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
 
 
-def build(name: str, timeout_s: float, devices: int, num_nodes: int) -> tuple[Strategy | str, Shard | None]:
-    """The Lightning strategy for ``name`` and the function that shards the model for it (or ``None``)."""
+def build(layout: Layout, timeout_s: float) -> Strategy | str:
+    """The Lightning strategy for ``layout``."""
     timeout = timedelta(seconds=timeout_s)
-    world = devices * num_nodes
-    if name == "auto" and world == 1:
-        return "auto", None
-    if name in ("auto", "ddp"):  # auto on several processes: replicate, as Lightning's "auto" would
-        return DDPStrategy(timeout=timeout), None
-    if name in ("fsdp", "hsdp"):
-        if name == "hsdp" and num_nodes < 2:
-            raise ValueError("strategy=hsdp replicates across nodes: it needs trainer.num_nodes >= 2")
-        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timeout)
-        return strategy, partial(shard_fsdp2, hybrid=name == "hsdp")
-    raise ValueError(f"strategy={name!r} is not one of {', '.join(STRATEGIES)}")
+    if layout.world_size == 1:
+        return "auto"
+    if not layout.sharded:
+        return DDPStrategy(timeout=timeout)
+    return ModelParallelStrategy(data_parallel_size=layout.dp_size, tensor_parallel_size=layout.tp, timeout=timeout)

@@ -19,8 +19,6 @@ the job's own directory and narrows ``sys.argv`` to the job's own overrides.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 import os
@@ -34,6 +32,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from lit_ppl.report_table import markdown_table, to_csv
 from lit_ppl.results import write_text_atomic
 
 METRICS = ("ppl", "nll_stderr", "tokens", "precision", "quant", "world_size", "tokens_per_s")
@@ -123,27 +122,12 @@ def _fmt(key: str, value: Any) -> str:
 
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
-    """A GitHub-flavoured Markdown table of ``rows`` (numbers right-aligned)."""
+    """A GitHub-flavoured Markdown table of ``rows``, headed by their keys (numbers right-aligned)."""
     if not rows:
         return "(no jobs)\n"
     cols = list(rows[0])
     numeric = {c for c in cols if all(isinstance(r[c], int | float) and not isinstance(r[c], bool) for r in rows)}
-    lines = [
-        "| " + " | ".join(cols) + " |",
-        "| " + " | ".join("---:" if c in numeric else "---" for c in cols) + " |",
-    ]
-    lines += ["| " + " | ".join(_fmt(c, r[c]).replace("|", "\\|") for c in cols) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
-def to_csv(rows: list[dict[str, Any]]) -> str:
-    """CSV of ``rows`` with full-precision numbers."""
-    out = io.StringIO()
-    if rows:
-        writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
-        writer.writeheader()
-        writer.writerows({k: repr(v) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
-    return out.getvalue()
+    return markdown_table([(c, c) for c in cols], [{c: _fmt(c, r[c]) for c in cols} for r in rows], numeric)
 
 
 def write_summary(sweep_dir: str | Path, output_subdir: str | None = ".hydra") -> tuple[Path, Path, str]:
@@ -153,7 +137,8 @@ def write_summary(sweep_dir: str | Path, output_subdir: str | None = ".hydra") -
     markdown = to_markdown(rows)
     md, csv_path = sweep_dir / "summary.md", sweep_dir / "summary.csv"
     write_text_atomic(md, markdown)
-    write_text_atomic(csv_path, to_csv(rows))
+    # No jobs, no columns: an empty file rather than report's full column set.
+    to_csv(rows, csv_path, fields=list(rows[0]) if rows else [])
     return md, csv_path, markdown
 
 

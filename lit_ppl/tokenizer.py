@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from typing import Protocol
 
+from lit_ppl.errors import LitPplError
+
 
 class Tokenizer(Protocol):
     """What the data pipeline needs from a tokenizer."""
@@ -61,7 +63,7 @@ class HFTokenizer:
         self.tok.model_max_length = int(1e30)
         ctx = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         if ctx is None:
-            raise ValueError(
+            raise LitPplError(
                 f"tokenizer {tokenizer.name_or_path!r} has neither a BOS nor an EOS token; lit-ppl needs one "
                 "as the context token in front of each document"
             )

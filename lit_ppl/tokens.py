@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lit_ppl.errors import LitPplError
 from lit_ppl.sources import DataSpec, documents
 from lit_ppl.tokenizer import Tokenizer
 from lit_ppl.windows import doc_offsets
@@ -91,7 +92,7 @@ class Corpus:
 def check_nonempty(lengths: np.ndarray, first_doc: int) -> None:
     empty = np.flatnonzero(lengths == 0)
     if len(empty):
-        raise ValueError(
+        raise LitPplError(
             f"{len(empty)} of {len(lengths)} documents have no tokens (first: document {first_doc + int(empty[0])}); "
             "remove empty documents or adjust data.document_separator"
         )
@@ -188,7 +189,7 @@ def encode_batch(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> tup
     ).reshape(-1, 3)
     body = np.concatenate([np.asarray(x, dtype=np.int64) for x in ids]) if ids else np.zeros(0, np.int64)
     if len(body) and int(body.max()) > np.iinfo(dtype).max:
-        raise ValueError(f"token id {int(body.max())} does not fit {dtype}: the tokenizer's vocab_size is too small")
+        raise LitPplError(f"token id {int(body.max())} does not fit {dtype}: the tokenizer's vocab_size is too small")
     bos = doc_offsets(counts[:, 0])
     flat = np.empty(len(body) + len(ids), dtype=dtype)
     flat[bos] = tokenizer.context_id
@@ -298,7 +299,7 @@ def build(
     if bar is not None:
         bar.close()
     if n_docs == 0:
-        raise ValueError(f"{spec.describe()} has no documents")
+        raise LitPplError(f"{spec.describe()} has no documents")
     np.save(directory / "documents.npy", np.concatenate(counts))
     meta = {
         "version": VERSION,

@@ -21,6 +21,8 @@ from typing import Literal
 
 import numpy as np
 
+from lit_ppl.errors import LitPplError
+
 Mode = Literal["rolling", "sliding", "block"]
 MODES: tuple[str, ...] = ("rolling", "sliding", "block")
 
@@ -103,14 +105,14 @@ def build_windows(
     """
     lengths = np.asarray(doc_lengths, dtype=np.int64)
     if mode not in MODES:
-        raise ValueError(f"eval.mode={mode!r} is not one of {', '.join(MODES)}")
+        raise LitPplError(f"eval.mode={mode!r} is not one of {', '.join(MODES)}")
     if seq_len < 1 or (mode == "sliding" and seq_len < 2):
-        raise ValueError(f"eval.seq_len={seq_len} is too small for mode {mode!r} (need >= {1 + (mode == 'sliding')})")
+        raise LitPplError(f"eval.seq_len={seq_len} is too small for mode {mode!r} (need >= {1 + (mode == 'sliding')})")
     if mode == "sliding" and (stride is None or not 1 <= stride <= seq_len - 1):
-        raise ValueError(f"eval.stride={stride} must be in [1, seq_len - 1 = {seq_len - 1}] for sliding mode")
+        raise LitPplError(f"eval.stride={stride} must be in [1, seq_len - 1 = {seq_len - 1}] for sliding mode")
     if len(lengths) == 0 or (lengths < 1).any():
         bad = np.flatnonzero(lengths < 1)
-        raise ValueError(f"documents {bad[:5].tolist()} have no tokens; every document needs at least one")
+        raise LitPplError(f"documents {bad[:5].tolist()} have no tokens; every document needs at least one")
     words = np.zeros_like(lengths) if doc_words is None else np.asarray(doc_words, dtype=np.int64)
     nbytes = np.zeros_like(lengths) if doc_bytes is None else np.asarray(doc_bytes, dtype=np.int64)
     offsets = doc_offsets(lengths)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 from conftest import STORIES, TINYSTORIES, require_shared, run_entry
 
 from lit_ppl.results import write_json_atomic
-from lit_ppl.validate import evaluate
+from lit_ppl.run import evaluate
 
 
 def _checkpoint(tmp_path: Path, name: str, edit) -> Path:
@@ -196,7 +198,7 @@ CASES = [
     ),
     (
         "measured under fsdp",
-        lambda t: ["distributed.balance=measured", "strategy=fsdp"],
+        lambda t: ["distributed.balance=measured", "strategy=fsdp", "trainer.devices=2"],  # refused before launching
         ValueError,
         "distributed.balance=measured cannot time a rank alone under strategy=fsdp",
     ),
@@ -206,6 +208,7 @@ CASES = [
             "distributed.balance=weights",
             "distributed.weights=[1,0.5]",
             "strategy=fsdp",
+            "trainer.devices=2",
             "eval.deterministic=true",
         ],
         ValueError,
@@ -245,7 +248,7 @@ def test_bad_input_message(case, compose, tmp_path):
         (["data.path=/no/such.txt"], "lit-ppl: error: data.path='/no/such.txt' is not a file"),
         (["eval.seq_len=4096"], "lit-ppl: error: eval.seq_len=4096 exceeds the model's maximum of 2048"),
         (["strategy=nope"], "Could not find 'strategy/nope'"),  # Hydra lists the valid options after this line
-        (["eval.bogus=1"], "Key 'bogus' is not in struct"),
+        (["eval.bogus=1"], "unknown key eval.bogus (valid keys: mode, seq_len, stride, chunk_size, deterministic)"),
     ],
 )
 def test_entry_exits_nonzero_with_the_message(tmp_path, args, message):
@@ -269,3 +272,32 @@ def test_same_command_twice_is_bit_identical(compose, tmp_path):
     a, b = evaluate(compose(*args)), evaluate(compose(*args))
     for key in ("ppl", "nll_sum", "nll_stderr", "word_ppl", "byte_ppl", "tokens"):
         assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize(
+    "bug",
+    ["{}['missing']", "int('not a number')"],  # a KeyError in lit-ppl; a ValueError that is not lit-ppl's check
+)
+def test_an_internal_bug_keeps_its_traceback(tmp_path, bug):
+    """Only lit-ppl's own checks (LitPplError) are one-line user errors; anything else is reported as a bug."""
+    code = (
+        "import sys, lit_ppl.run as run\n"
+        f"def evaluate(cfg):\n    return {bug}\n"
+        "run.evaluate = evaluate\n"
+        f"sys.argv = ['lit_ppl.validate', 'output_dir={tmp_path}', 'hydra.run.dir={tmp_path}']\n"
+        "from lit_ppl.validate import entry\nentry()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("lit-ppl: internal error: ") and "please report it" in last, proc.stderr[-2000:]
+    assert "lit-ppl: error:" not in proc.stderr
+
+
+def test_lit_ppl_checks_raise_lit_ppl_error():
+    from lit_ppl.errors import LitPplError
+    from lit_ppl.parallel import resolve
+
+    with pytest.raises(LitPplError, match="is not the world size 2"):
+        resolve(2, 2, 1, world_size=2)

@@ -224,8 +224,8 @@ def test_gptq_hessians_equal_a_float64_xtx_over_the_whole_set(tmp_path):
 
 def test_gptq_refusals_on_cuda_are_decided_without_one():
     """What a GPU would refuse (int4 without bf16, int8dq, a tied table) is decided by the plan, testable here."""
+    from lit_ppl.quant_plan import Rule, Scheme, method_problem
     from lit_ppl.quant_targets import find_targets
-    from lit_ppl.quantize import Rule, Scheme, method_problem
 
     require_shared()
     targets = find_targets(lm())
@@ -327,7 +327,7 @@ def test_one_two_and_three_ranks_calibrate_to_identical_weights(tmp_path):
 
 @pytest.mark.slow
 def test_awq_evaluation_is_the_same_at_one_two_and_three_ranks(compose, tmp_path):
-    from lit_ppl.validate import evaluate
+    from lit_ppl.run import evaluate
 
     require_shared()
     cal = [f"quant.calibration.{k}={v}" for k, v in SMALL.items()]

@@ -13,7 +13,7 @@ from conftest import ROOT, STORIES, TINYSTORIES
 from omegaconf import OmegaConf
 
 from lit_ppl.cli import PerplexityCLI, main, validate
-from lit_ppl.validate import evaluate
+from lit_ppl.run import evaluate
 
 STORIES_PPL = 6.8972206  # lm-evaluation-harness 0.4.13, rolling, seq_len 512 (see test_parity.py)
 
@@ -52,6 +52,30 @@ def test_flags_give_the_hydra_config(compose, tmp_path):
     assert cfg["eval"]["stride"] == 256 and cfg["quant"]["group_size"] == 128  # from conf/eval|quant/*.yaml
     assert {k: v for k, v in cfg["model"].items() if k in ref["model"]} == ref["model"]
     assert {k: v for k, v in cfg["data"].items() if k in ref["data"]} == ref["data"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "overrides"),
+    [
+        (["--logger=csv"], ["logger=csv"]),
+        (["--logger=tensorboard", "--trainer.strategy=hsdp"], ["logger=tensorboard", "strategy=hsdp"]),
+        (
+            ["--trainer.strategy=fsdp_tp", "--trainer.devices=2", "--parallel.dp_shard=2", "--parallel.tp=1"],
+            ["strategy=fsdp_tp", "trainer.devices=2", "parallel.dp_shard=2", "parallel.tp=1"],
+        ),
+        (
+            ["--trainer.strategy=tp", "--parallel.tp_across_nodes=true"],
+            ["strategy=tp", "parallel.tp_across_nodes=true"],
+        ),
+    ],
+)
+def test_logger_and_parallel_flags_give_the_hydra_config(compose, tmp_path, flags, overrides):
+    """``--logger X`` is ``logger=X``; ``--trainer.strategy S`` takes ``strategy=S``'s layout, then ``--parallel.*``."""
+    out, cache = f"--output_dir={tmp_path / 'out'}", f"--data.cache_dir={tmp_path / 'cache'}"
+    cli = OmegaConf.to_container(PerplexityCLI([*flags, out, cache]).hydra_config, resolve=True)
+    ref = OmegaConf.to_container(compose(*overrides), resolve=True)
+    for key in ("logger", "strategy", "parallel", "trainer"):
+        assert cli[key] == ref[key], key
 
 
 @pytest.mark.parametrize(

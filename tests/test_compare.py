@@ -11,11 +11,12 @@ import torch
 from conftest import STORIES, TINYSTORIES, require_shared
 
 from lit_ppl import histogram, quantize
-from lit_ppl.compare import HISTOGRAMS, KLDivergence, token_stats
+from lit_ppl.compare import CompareModule, CompareScorer
 from lit_ppl.data import PerplexityDataModule
+from lit_ppl.kl import HISTOGRAMS, KLDivergence, token_stats
 from lit_ppl.models import ModelSpec
+from lit_ppl.run import evaluate
 from lit_ppl.sources import DataSpec
-from lit_ppl.validate import evaluate
 
 ALPHA = 1e-3  # the histograms' relative error bound (lit_ppl.histogram)
 DATA = ["model=hf", f"model.path={STORIES}", "data=text", f"data.path={TINYSTORIES}", "trainer=cpu"]
@@ -97,6 +98,36 @@ def test_token_stats_do_not_depend_on_the_chunk_size():
     lq, lp = head(h).double().log_softmax(-1), head_b(hb).double().log_softmax(-1)
     ref = torch.nn.functional.kl_div(lq, lp, log_target=True, reduction="none").sum(-1)
     assert torch.allclose(full["kld"], ref, rtol=1e-10)
+
+
+def test_each_head_runs_inside_its_own_models_forward():
+    """FSDP2 gathers a root's head in its pre-forward hook and frees it in its post-forward hook: a comparison step
+    must run both heads inside their models' forwards (forward hooks like FSDP's show where they ran)."""
+    spec = ModelSpec()  # the built-in model: no files needed
+    module = CompareModule(spec, spec, chunk_size=5)
+    module.scorer, module.reference = (CompareScorer(spec.build(), 5) for _ in range(2))
+    inside: dict[str, bool] = {}
+    heads_ran_inside: list[tuple[str, bool]] = []
+    for name, scorer in (("candidate", module.scorer), ("reference", module.reference)):
+        scorer.register_forward_pre_hook(lambda mod, args, name=name: inside.__setitem__(name, True))
+        scorer.register_forward_hook(lambda mod, args, out, name=name: inside.__setitem__(name, False))
+        head = scorer.head
+
+        def watched(hidden: torch.Tensor, head=head, name=name) -> torch.Tensor:
+            heads_ran_inside.append((name, inside.get(name, False)))
+            return head(hidden)
+
+        scorer.head = watched
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 258, (2, 16), generator=g)
+    index, targets = torch.arange(3, 32), torch.randint(0, 258, (29,), generator=g)
+    with torch.no_grad():
+        nll = module.score({"input_ids": ids, "score_index": index, "targets": targets})
+        plain = module.scorer(ids, index, targets)  # the NLL path of a run without a reference
+    assert {name for name, _ in heads_ran_inside} == {"candidate", "reference"}
+    assert all(ran_inside for _, ran_inside in heads_ran_inside), heads_ran_inside
+    assert not any(inside.values())  # both forwards have returned: FSDP would have resharded both roots
+    assert int(module.kl.count) == 29 and torch.allclose(nll.float(), plain, rtol=1e-5)
 
 
 def feed(metrics: list[KLDivergence], kld: torch.Tensor, p_diff: torch.Tensor, batch: int) -> None:

@@ -15,15 +15,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import zstandard
 from conftest import ROOT, STORIES, TINYSTORIES, WIKITEXT, require_shared
 from nodes import launch, wait
 
+from lit_ppl.data import WindowCollator
 from lit_ppl.models import ModelSpec
+from lit_ppl.run import evaluate
+from lit_ppl.sampler import PAD
 from lit_ppl.sources import DataSpec, documents
 from lit_ppl.tokenizer import ByteTokenizer
 from lit_ppl.tokens import Corpus, prepare, store_dir, token_dtype
-from lit_ppl.validate import evaluate
+from lit_ppl.windows import build_windows
 
 COMPRESS = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress, ".zst": zstandard.compress}
 
@@ -147,6 +151,42 @@ def test_store_dtype_follows_the_vocabulary(tmp_path):
     assert wide.tokens.dtype == np.uint32 and int(wide.tokens[-1]) == 65_600 + ord("d") and wide.max_token == 69_999
 
 
+@pytest.mark.parametrize("mode,stride", [("rolling", None), ("sliding", 3), ("block", None)])
+def test_a_batch_is_its_windows_side_by_side(mode, stride):
+    """The collator builds a batch at once; it must equal its windows collated one by one, padded to the widest and
+    in the batch's order (padding entries included), with the scored positions offset by their row."""
+    lengths = [1, 7, 8, 9, 20, 3]
+    ids = [[1000 * (d + 1) + i for i in range(n)] for d, n in enumerate(lengths)]
+    corpus = Corpus.from_lists(ids, [d + 1 for d in range(len(ids))], [2 * n for n in lengths], 0)
+    w = build_windows(mode, corpus.doc_lengths, 8, stride, corpus.doc_words, corpus.doc_bytes)
+    collate = WindowCollator(corpus, w, pad_id=-7)
+    batch_ids = [3, PAD, 0, len(w) - 1, 1, PAD]  # out of order, a padding entry inside and at the end
+    batch = collate(batch_ids)
+    width = batch["input_ids"].shape[1]
+    assert width == max(int(w.end[i] - w.start[i]) for i in batch_ids if i != PAD)
+    index, targets, docs = [], [], []
+    for row, i in enumerate(batch_ids):
+        if i == PAD:
+            assert (batch["input_ids"][row] == -7).all()
+            continue
+        one = collate([i])
+        inputs = one["input_ids"][0]
+        assert batch["input_ids"][row, : len(inputs)].tolist() == inputs.tolist()
+        assert (batch["input_ids"][row, len(inputs) :] == -7).all()
+        index += (one["score_index"] + row * width).tolist()
+        targets += one["targets"].tolist()
+        docs += one["doc_ids"].tolist()
+    assert batch["score_index"].tolist() == index
+    assert batch["targets"].tolist() == targets and batch["doc_ids"].tolist() == docs
+    real = [i for i in batch_ids if i != PAD]
+    for key, per_window in (("documents", w.documents), ("words", w.words), ("bytes", w.bytes)):
+        assert int(batch[key]) == int(per_window[real].sum()), key
+    assert batch["window_ids"].tolist() == batch_ids
+    assert all(batch[k].dtype == torch.int64 for k in ("input_ids", "score_index", "targets", "doc_ids"))
+    empty = collate([PAD, PAD])  # a rank's padding step: nothing scored
+    assert empty["input_ids"].shape == (2, 1) and empty["targets"].numel() == 0 and int(empty["documents"]) == 0
+
+
 def test_warm_store_is_reused_and_a_changed_file_is_not(tmp_path):
     path = tmp_path / "t.txt"
     path.write_text("one two three")
@@ -193,6 +233,7 @@ def test_a_live_builder_is_waited_for_and_a_silent_one_taken_over(tmp_path):
 
 _PREPARE = """
 import sys
+from lit_ppl.data import WindowCollator
 from lit_ppl.models import ModelSpec
 from lit_ppl.sources import DataSpec
 from lit_ppl.tokens import prepare

@@ -13,7 +13,7 @@ import pytest
 from conftest import STORIES, run_entry
 from nodes import launch, slow_cgroup, wait
 
-from lit_ppl.validate import evaluate
+from lit_ppl.run import evaluate
 
 pytestmark = pytest.mark.slow
 EXACT_KEYS = ("nll_sum", "ppl", "nll_stderr", "ppl_ci95", "word_ppl", "byte_ppl", "bits_per_byte", "tokens", "words")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, STORIES, WIKITEXT, require_shared, run_entry
 
-from lit_ppl.validate import evaluate
+from lit_ppl.run import evaluate
 
 pytestmark = pytest.mark.slow
 

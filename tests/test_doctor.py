@@ -123,6 +123,7 @@ def test_resolve_dist_env_slurm() -> None:
         "SLURM_NTASKS": "4",
         "SLURM_LOCALID": "1",
         "SLURM_NODEID": "1",
+        "SLURM_NTASKS_PER_NODE": "2",
         "SLURM_JOB_NODELIST": "gpu[07-08]",
         "SLURM_JOB_ID": "123456",
     }
@@ -155,6 +156,52 @@ def test_resolve_dist_env_slurm_missing_variable_is_named() -> None:
         resolve_dist_env(dict(environ, MASTER_ADDR="a"))
     with pytest.raises(DistEnvError, match="SLURM_LOCALID"):
         resolve_dist_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODEID": "0"})
+
+
+# A task of a 2-node, 4-task srun step, as Slurm exports it. Job id 17890: the doctor's former rule
+# (15000 + id % 20000 = 32890) and Lightning's (15000 + last four digits = 22890) disagree on it.
+_SLURM_TASK = {
+    "SLURM_JOB_ID": "17890",
+    "SLURM_JOB_NAME": "ppl",
+    "SLURM_PROCID": "1",
+    "SLURM_NTASKS": "4",
+    "SLURM_NTASKS_PER_NODE": "2",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "MASTER_ADDR": "gpu07",
+}
+
+
+@pytest.mark.parametrize("master_port", [None, "29411"], ids=["derived", "MASTER_PORT"])
+def test_slurm_port_is_lightnings(monkeypatch: pytest.MonkeyPatch, master_port: str | None) -> None:
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    for name in [*_LAUNCH_VARS, *(k for k in os.environ if k.startswith("SLURM_"))]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in _SLURM_TASK.items():
+        monkeypatch.setenv(name, value)
+    if master_port is not None:
+        monkeypatch.setenv("MASTER_PORT", master_port)
+
+    env = resolve_dist_env(os.environ)
+    # The doctor must not leave Lightning's MASTER_PORT behind: Lightning below would then just read it back.
+    assert os.environ.get("MASTER_PORT") == master_port
+    assert env.launcher == "slurm"
+    assert env.master_port == SLURMEnvironment(auto_requeue=False).main_port
+    if master_port is not None:
+        assert env.master_port == int(master_port)
+
+
+def test_slurm_launch_lightning_rejects_is_reported() -> None:
+    # srun --ntasks=4 without --ntasks-per-node: Lightning refuses to run, so the doctor must not pass it.
+    environ = {k: v for k, v in _SLURM_TASK.items() if k != "SLURM_NTASKS_PER_NODE"}
+    before = dict(os.environ)
+    with pytest.raises(DistEnvError, match="ntasks-per-node"):
+        resolve_dist_env(environ)
+    assert dict(os.environ) == before
+    with pytest.raises(DistEnvError, match="MASTER_PORT='x'"):
+        resolve_dist_env(dict(_SLURM_TASK, MASTER_PORT="x"))
 
 
 def test_write_json_atomic_leaves_no_temp_files(tmp_path: Path) -> None:

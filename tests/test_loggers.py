@@ -10,7 +10,7 @@ import pytest
 from conftest import run_entry
 
 from lit_ppl import loggers
-from lit_ppl.validate import evaluate
+from lit_ppl.run import evaluate
 
 # Many short steps, a tokens/s point after each: the demo text is ~1,940 tokens, 64-token windows, one per step.
 SMALL_STEPS = ("eval.seq_len=64", "batch_size=1", "+trainer.log_every_n_steps=1")

@@ -83,3 +83,15 @@ def test_nonfinite_values_are_counted_not_summed():
 def test_sync_on_step_is_refused():
     with pytest.raises(ValueError, match="dist_sync_on_step"):
         Perplexity(dist_sync_on_step=True)
+
+
+def test_a_finite_mask_from_the_caller_gives_the_same_states():
+    """The module passes its own ``isfinite`` (one pass per step): the metric must count exactly as without it."""
+    nll = torch.tensor([1.0, float("nan"), 2.5, float("inf"), -float("inf"), 0.5], dtype=torch.bfloat16)
+    plain, given = Perplexity(), Perplexity()
+    plain.update(nll, words=3, bytes_=9, documents=1)
+    given.update(nll, words=3, bytes_=9, documents=1, finite=torch.isfinite(nll))
+    for key, value in plain.metric_state.items():
+        assert torch.equal(getattr(given, key), value), key
+    assert int(given.nonfinite) == 3 and int(given.tokens) == 3
+    assert given.compute()["nll_sum"].item() == 4.0

@@ -2,7 +2,7 @@ import torch
 from torch import nn
 
 from lit_ppl.models import ModelSpec, key_problem, parameters_on_meta
-from lit_ppl.module import unloaded_parameters
+from lit_ppl.sharding import unloaded
 
 
 def test_build_empty_has_meta_parameters_and_real_buffers(stories):
@@ -32,10 +32,10 @@ def test_key_problem_names_missing_then_unexpected_keys():
 
 def test_unloaded_parameters_are_found():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    assert unloaded_parameters(model) == []
+    assert unloaded(model) == []
     with torch.no_grad():
         model[1].bias[0] = float("nan")
-    assert unloaded_parameters(model) == ["1.bias"]
+    assert unloaded(model) == ["1.bias"]
 
 
 def test_parameters_on_meta_is_undone():

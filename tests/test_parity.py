@@ -2,7 +2,7 @@
 
 import pytest
 
-from lit_ppl.validate import evaluate
+from lit_ppl.run import evaluate
 
 REL = 2e-5
 

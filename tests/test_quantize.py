@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import STORIES, TINYSTORIES, require_shared, run_entry
 
-from lit_ppl import quantize
+from lit_ppl import quant_check, quantize
 from lit_ppl.models import ModelSpec
-from lit_ppl.validate import evaluate
+from lit_ppl.run import evaluate
 
 DATA = ["model=hf", f"model.path={STORIES}", "data=text", f"data.path={TINYSTORIES}", "trainer=cpu"]
 CONFIGS = {
@@ -167,7 +167,7 @@ def _consistency_worker(rank: int, store: str, out: str) -> None:
         try:
             report = quantize.build({"name": "int4", "group_size": 32, "source": source})(model)
             w = model.model.layers[3].self_attn.v_proj.weight
-            results[scenario] = {"ok": True, "digest": quantize.digest(w), "consistency": report.consistency}
+            results[scenario] = {"ok": True, "digest": quant_check.digest(w), "consistency": report.consistency}
         except RuntimeError as err:
             results[scenario] = {"ok": False, "error": str(err)}
         dist.barrier()

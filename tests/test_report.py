@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from lit_ppl import plots, report
+from lit_ppl import plots, report, report_table
 from lit_ppl.results import write_json_atomic
-from lit_ppl.validate import evaluate
+from lit_ppl.run import evaluate
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -147,16 +147,16 @@ def test_load_run_accepts_the_file(run_dirs):
 def test_markdown_and_csv(run_dirs, tmp_path):
     runs = [report.load_run(run_dirs[n]) for n in ("b1", "b3", "int8")]
     rows = report.compare_runs(runs)
-    md = report.to_markdown(rows).splitlines()
+    md = report_table.to_markdown(rows).splitlines()
     assert md[0].startswith("| run | PPL | 95% CI | ΔPPL | ΔPPL % | CI overlap | tokens | world | batch |")
     assert "mean KLD" in md[0] and "top-1 agree" in md[0]
     assert md[1].startswith("|:---|---:|") and len(md) == 2 + len(runs)
     assert md[2].startswith(f"| {run_dirs['b1']} | {runs[0]['ppl']:.6f} |") and "| — | — | — |" in md[2]
     assert "| int8 |" in md[4] and md[4].count("|") == md[0].count("|")
     # Without a comparison the KLD columns are left out rather than filled with dashes.
-    assert "mean KLD" not in report.to_markdown(rows[:2])
+    assert "mean KLD" not in report_table.to_markdown(rows[:2])
 
-    path = report.to_csv(rows, tmp_path / "sub" / "report.csv")
+    path = report_table.to_csv(rows, tmp_path / "sub" / "report.csv")
     with path.open() as f:
         table = list(csv.DictReader(f))
     assert [r["run"] for r in table] == [str(run_dirs[n]) for n in ("b1", "b3", "int8")]
@@ -197,6 +197,32 @@ def test_plots_are_pngs(run_dirs, tmp_path):
     for name, subset in (("sweep.png", runs), ("sweep_no_kld.png", runs[:2])):
         data = plots.plot_sweep(subset, tmp_path / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+def test_reports_show_the_resolved_batch_size(run_dirs, tmp_path):
+    """Under batch_size=auto the config says "auto"; results.json's ``batch_size`` is what ran, and reports show it."""
+    b1 = json.loads((run_dirs["b1"] / "results.json").read_text())
+    auto = report.load_run(
+        doctored(run_dirs["b1"], tmp_path / "auto", batch_size=5, config={**b1["config"], "batch_size": "auto"})
+    )
+    assert report.compare_runs([auto])[0]["batch_size"] == 5
+    assert "· batch 5 ·" in report.describe(auto)
+    assert plots.sweep_labels([report.load_run(run_dirs["b1"]), auto]) == ["batch 1", "batch 5"]
+
+
+def test_breakdown_only_when_a_report_reads_it(run_dirs, compose, tmp_path):
+    """Per-position and per-document sums cost work every step: kept only for report.plots or report.per_document."""
+    assert sum(json.loads((run_dirs["b1"] / "results.json").read_text())["nll_by_position"]["count"]) > 0
+    off = evaluate(compose("eval.seq_len=128", "report.plots=false", f"output_dir={tmp_path / 'off'}"))
+    assert off["nll_by_position"] is None
+    assert sorted(p.name for p in (tmp_path / "off").iterdir()) == ["results.json"]
+    on = evaluate(
+        compose("eval.seq_len=128", "report.plots=false", "report.per_document=csv", f"output_dir={tmp_path / 'on'}")
+    )
+    assert sum(on["nll_by_position"]["count"]) == on["tokens"]
+    with (tmp_path / "on" / "per_document.csv").open() as f:
+        assert sum(int(row["tokens"]) for row in csv.DictReader(f)) == on["tokens"]
+    assert off["nll_sum"] == on["nll_sum"] and off["tokens"] == on["tokens"]  # the numbers never depend on it
 
 
 def test_cli_agreeing_runs(run_dirs, tmp_path):

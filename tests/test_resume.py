@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, WIKITEXT, require_shared
 
+from lit_ppl import autobatch, report
 from lit_ppl.resume import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
@@ -154,3 +156,47 @@ def test_deterministic_resume_on_two_ranks_equals_one_process(text, tmp_path):
     assert done.returncode == 0 and "resuming from step" in done.stderr, done.stderr[-3000:]
     _assert_identical(r, one)
     assert r["nll_by_position"] == one["nll_by_position"]
+
+
+def _cache_says(cache: Path, size: int, max_batch: int) -> None:
+    """Make the autobatch cache answer ``size`` when asked up to ``max_batch``: what another node's probe would find.
+
+    The run's own entry (model, seq_len, precision, chunk size, device) is copied with ``max_batch`` replaced.
+    """
+    entries = json.loads(cache.read_text())
+    for key in list(entries):
+        entries[autobatch.cache_key(**{**json.loads(key), "max_batch": max_batch})] = size
+    cache.write_text(json.dumps(entries))
+
+
+def test_auto_batch_size_resumes_only_into_the_saved_plan(text, uninterrupted, tmp_path):
+    """batch_size=auto: a requeue is refused where the saved size no longer fits, and exact where it does."""
+    out, cache = tmp_path / "run", tmp_path / "autobatch.json"
+    auto = ("batch_size=auto", f"autobatch.cache={cache}")
+    proc = _start_and_wait(text, out, *auto, "autobatch.max_batch=4")  # resolves to 4 on this machine
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    stopped = int(re.search(r"stopped by a signal at step (\d+)", err).group(1))
+    saved = torch.load(out / "progress" / f"rank0-step{stopped}.pt", weights_only=True)
+    assert saved["plan"] == {"batch_size": 4, "rank_weights": None}
+
+    _cache_says(cache, 2, max_batch=4)  # a node where only 2 windows fit: the saved batches of 4 cannot run
+    done, r = _run(text, out, *auto, "autobatch.max_batch=4")
+    assert done.returncode == 1 and r is None, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("lit-ppl: error:")]
+    assert errors == [
+        f"lit-ppl: error: {out / 'progress'} holds progress of batches of 4 windows, but this run makes batches of "
+        f"2: its steps are other batches than this run's; set batch_size=4 if it fits, or delete {out / 'progress'} "
+        "to start over"
+    ]
+
+    # A node whose probe picks 8: the saved 4 fits there, so the run goes on with batches of 4, bit for bit.
+    _cache_says(cache, 4, max_batch=4)
+    _cache_says(cache, 8, max_batch=8)
+    done, r = _run(text, out, *auto, "autobatch.max_batch=8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming from step {stopped}" in done.stderr
+    _assert_identical(r, uninterrupted[1])
+    assert r["batch_size"] == 4 and r["config"]["batch_size"] == "auto"
+    assert report.describe(report.load_run(out)).endswith("· batch 4 · 1 node)")  # the resolved size, not "auto"

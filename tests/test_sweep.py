@@ -12,8 +12,8 @@ import pytest
 from conftest import ROOT
 from omegaconf import OmegaConf
 
+from lit_ppl.run import evaluate
 from lit_ppl.sweep import summarize, to_markdown, write_summary
-from lit_ppl.validate import evaluate
 
 try:
     from tests.slurm_cluster import slurm
