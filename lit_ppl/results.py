@@ -26,6 +26,20 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+def _vm_hwm_kib() -> int | None:
+    """Linux's peak RSS of this process image (``VmHWM``). Not ``ru_maxrss``: Linux carries that over ``exec`` from
+    the process that forked it, so a rank started by a 1.3 GB pytest (or by rank 0) reported its parent's peak
+    (measured: 1305.9 MB on rank 0 of every layout, whatever it loaded)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def peak_memory(device: Any) -> tuple[int, int]:
     """This process's peak host RSS in KiB and, on a CUDA ``device``, its peak allocated bytes there (else -1).
 
@@ -33,8 +47,10 @@ def peak_memory(device: Any) -> tuple[int, int]:
     """
     import torch
 
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss_kib = rss // 1024 if sys.platform == "darwin" else rss  # bytes on macOS, KiB on Linux
+    rss_kib = _vm_hwm_kib()
+    if rss_kib is None:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        rss_kib = rss // 1024 if sys.platform == "darwin" else rss  # bytes on macOS, KiB on Linux
     on_cuda = getattr(device, "type", None) == "cuda"
     return rss_kib, int(torch.cuda.max_memory_allocated(device)) if on_cuda else -1
 
