@@ -253,6 +253,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         write_outputs(cfg, results, module)
     loggers.log_final(trainer, config, results, module.steps)
+    strategies.join_launched_ranks(trainer.strategy, cfg.distributed.timeout_s)
     return results
 
 

@@ -115,3 +115,26 @@ def build(layout: Layout, timeout_s: float) -> Strategy | str:
     if not layout.sharded:
         return DDPStrategy(timeout=timeout)
     return ModelParallelStrategy(data_parallel_size=layout.dp_size, tensor_parallel_size=layout.tp, timeout=timeout)
+
+
+def join_launched_ranks(strategy: Strategy, timeout_s: float) -> None:
+    """Rank 0 returns only once the ranks Lightning launched as its subprocesses have exited.
+
+    Lightning does not wait for them. A rank still tearing down when the next job of an in-process sweep starts
+    would find that job's rendezvous on the same ``MASTER_PORT`` (one set by the user stays fixed) and join it;
+    and a single run whose rank 1 failed after rank 0 finished would still exit 0.
+    """
+    import subprocess
+
+    procs = getattr(getattr(strategy, "launcher", None), "procs", None) or []
+    for local_rank, proc in enumerate(procs, start=1):
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise RuntimeError(
+                f"local rank {local_rank} (pid {proc.pid}) was still running {timeout_s:g} s after rank 0 finished "
+                "(distributed.timeout_s); killed it"
+            ) from None
+        if code != 0:
+            raise RuntimeError(f"local rank {local_rank} (pid {proc.pid}) exited with code {code}")

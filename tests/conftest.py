@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +22,37 @@ WIKITEXT = SHARED / "wikitext-2" / "valid.tokens.txt"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Each test starts from the same ``os.environ``: Lightning writes ``MASTER_PORT`` into it, and a port left
+    behind fixes the rendezvous port of every later subprocess run."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in a session of its own, killed whole on timeout.
+
+    The ranks Lightning launches are grandchildren: ``subprocess.run`` would kill only the first one and leave the
+    others waiting on its port, to break later tests.
+    """
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as err:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr) from err
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # whatever it left behind, even when it exited in time
+                os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def require_shared() -> None:
@@ -68,6 +101,6 @@ def run_entry(
     tmp_path.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", module, f"output_dir={out}", f"hydra.run.dir={out}", *args]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = run(cmd, timeout, cwd=tmp_path, env=full_env)
     results = out / "results.json"
     return proc, (json.loads(results.read_text()) if results.is_file() else None)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, STORIES, TINYSTORIES
+from conftest import ROOT, STORIES, TINYSTORIES, run
 from omegaconf import OmegaConf
 
 from lit_ppl.cli import PerplexityCLI, main, validate
@@ -27,7 +26,7 @@ def run_cli(args: list[str], tmp_path, cwd=None, timeout: float = 240):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "lit_ppl.cli", "validate", *args, "--output_dir", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=cwd or tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run(cmd, timeout, cwd=cwd or tmp_path, env=env)
     results = out / "results.json"
     return proc, (json.loads(results.read_text()) if results.is_file() else None)
 
@@ -189,7 +188,7 @@ def test_ddp_ranks_relaunched_by_lightning_agree_on_the_default_output_dir(compo
     cmd += ["--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.accelerator=cpu"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("LIT_PPL_OUTPUT_DIR", None)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    proc = run(cmd, 240, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = list((tmp_path / "outputs" / "cli").glob("*/*"))
     assert len(runs) == 1, runs

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, STORIES, WIKITEXT, require_shared, run_entry
+from nodes import free_port
 
 from lit_ppl.run import evaluate
 
@@ -106,16 +106,10 @@ def test_fewer_windows_than_ranks(tmp_path, reference):
         assert r["rank_tokens"].count(0) == r["world_size"] - 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("strategy", ["ddp", "hsdp"])
 def test_two_nodes_by_torchrun(docs_file, reference, tmp_path, strategy):
     """Two torchrun launches (node_rank 0 and 1) of two processes each, on 127.0.0.1."""
-    port, out = _free_port(), tmp_path / "out"
+    port, out = free_port(), tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [
         subprocess.Popen(

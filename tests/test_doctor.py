@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from nodes import free_port
 
 from lit_ppl.doctor import DistEnv, DistEnvError, check_consistency, resolve_dist_env
 from lit_ppl.results import write_json_atomic
@@ -39,13 +39,6 @@ def _clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("SLURM_")}
     env["PYTHONPATH"] = str(REPO_ROOT)
     return env
-
-
-def _free_port() -> int:
-    """Asks the OS for a currently unused TCP port."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_check_consistency_clean_set_passes() -> None:
@@ -254,7 +247,7 @@ def test_doctor_under_torchrun(tmp_path: Path) -> None:
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "lit_ppl.doctor",
         "--timeout-s",

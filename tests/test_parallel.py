@@ -7,13 +7,13 @@ the summation order inside matmuls) over the same tokens, and each rank must hol
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import STORIES, TINYSTORIES, require_shared, run_entry
+from nodes import free_port
 
 from lit_ppl import parallel, tensor_parallel
 from lit_ppl.nll import cross_entropy_
@@ -94,12 +94,6 @@ def test_models_without_a_plan_are_refused_by_type():
 # -- the vocabulary-parallel loss, on 2 real processes ---------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _vocab_parallel_worker(rank: int, world: int, port: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -120,7 +114,7 @@ def _vocab_parallel_worker(rank: int, world: int, port: int, out: dict) -> None:
 def test_vocab_parallel_cross_entropy_equals_the_whole_vocabulary():
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_vocab_parallel_worker, args=(2, _free_port(), out), nprocs=2)
+        mp.spawn(_vocab_parallel_worker, args=(2, free_port(), out), nprocs=2)
         for rank in range(2):
             nll, whole, gathered = out[rank]
             torch.testing.assert_close(nll, whole, rtol=1e-12, atol=1e-12)

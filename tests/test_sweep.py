@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run
+from nodes import free_port
 from omegaconf import OmegaConf
 
 from lit_ppl.run import evaluate
@@ -105,7 +106,7 @@ def sweep(args: list[str], tmp_path, env: dict | None = None, timeout: float = 3
     cmd = [sys.executable, "-m", "lit_ppl.validate", "-m", *args, f"hydra.sweep.dir={sweep_dir}"]
     cmd.append(f"data.cache_dir={tmp_path / 'cache'}")
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = run(cmd, timeout, cwd=tmp_path, env=full_env)
     return proc, sweep_dir
 
 
@@ -131,9 +132,12 @@ def test_sweep_writes_each_results_and_summary(compose, tmp_path):
 
 @pytest.mark.slow
 def test_sweep_with_ddp_ranks_relaunched_by_lightning(compose, tmp_path):
-    """Each job's second rank is re-run by Lightning from the command line: it must run that job, in its dir."""
+    """Each job's second rank is re-run by Lightning from the command line: it must run that job, in its dir.
+
+    With ``MASTER_PORT`` fixed, as on a cluster: every job rendezvouses on the same port, so nothing of the
+    previous job (its ranks, its store) may be left when the next starts."""
     args = ["eval.seq_len=32,48", "strategy=ddp", "trainer.devices=2", "trainer.accelerator=cpu"]
-    proc, sweep_dir = sweep(args, tmp_path)
+    proc, sweep_dir = sweep(args, tmp_path, env={"MASTER_PORT": str(free_port())})
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = check_sweep(sweep_dir, 2)
     for r, seq_len in zip(results, (32, 48), strict=True):
