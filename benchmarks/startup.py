@@ -14,6 +14,7 @@ wrapper (``--child``) timestamps the stages inside the process: imports done, mo
 
     python benchmarks/startup.py              # ~1 minute on 2 cores
     python benchmarks/startup.py --entry-only # only the --help / import timings (no shared data needed)
+    python benchmarks/startup.py --outside    # time outside the step loop vs a bare script (bare_ppl.py), ~3 min
 """
 
 from __future__ import annotations
@@ -99,6 +100,52 @@ def entry_startup(repeats: int) -> list[dict]:
     return [{"command": k, "best s": round(v, 3), "vs import torch": f"{v / torch_s:.2f}×"} for k, v in best.items()]
 
 
+def outside_the_loop(args: argparse.Namespace, text: Path) -> list[dict]:
+    """Wall time outside the step loop: fresh ``python -m lit_ppl.validate`` (cold and warm token store) against
+    a bare PyTorch + transformers script (``bare_ppl.py``), same model, text, windows and batch, 1 thread each.
+
+    Each process's wall time (start to exit, as a user waits for it) minus its own clock of its loop (lit-ppl's
+    ``results["seconds"]``, the bare script's ``loop_s``); rounds interleaved, best of ``--rounds`` per side.
+    """
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env["OMP_NUM_THREADS"] = "1"
+    work = args.work / "outside"
+    shape = [f"eval.seq_len={args.seq_len}", f"batch_size={args.batch_size}"]
+    lit = [sys.executable, "-m", "lit_ppl.validate", f"model.path={args.model}", "data=text", f"data.path={text}"]
+    lit += ["eval=rolling", *shape, "precision=32-true", "report.plots=false", "trainer=cpu"]
+    lit += [f"output_dir={work / 'out'}", f"hydra.run.dir={work / 'out'}"]
+    bare = [sys.executable, str(Path(__file__).with_name("bare_ppl.py")), "--model", str(args.model)]
+    bare += ["--text", str(text), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size)]
+    sides = {
+        "bare PyTorch + transformers": bare,
+        "lit-ppl, cold token store": [*lit, f"data.cache_dir={work / 'cold'}"],
+        "lit-ppl, warm token store": [*lit, f"data.cache_dir={work / 'warm'}"],
+    }
+    best: dict[str, dict[str, float]] = {}
+    for r in range(args.rounds + 1):  # round 0 warms the file cache and fills the warm store; not counted
+        for name, cmd in sides.items() if r % 2 else reversed(sides.items()):
+            shutil.rmtree(work / "cold", ignore_errors=True)
+            shutil.rmtree(work / "out", ignore_errors=True)
+            t = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            wall = time.perf_counter() - t
+            if proc.returncode != 0:
+                sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
+            if name.startswith("bare"):
+                out = json.loads(proc.stdout.strip().splitlines()[-1])
+                loop, tokens = out["loop_s"], out["tokens"]
+            else:
+                res = json.loads((work / "out" / "results.json").read_text())
+                loop, tokens = res["seconds"], res["tokens"]
+            if r and wall - loop < best.get(name, {}).get("outside s", float("inf")):
+                best[name] = {"wall s": wall, "loop s": loop, "outside s": wall - loop, "tokens": tokens}
+    base = best["bare PyTorch + transformers"]["outside s"]
+    rows = [{"process": k, **{c: round(v, 2) for c, v in b.items()}} for k, b in best.items()]
+    for r in rows:
+        r["outside vs bare"] = f"{r['outside s'] - base:+.2f} s"
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=STORIES)
@@ -107,10 +154,22 @@ def main() -> None:
     p.add_argument("--full", action="store_true", help="run to the result, not just the first batch")
     p.add_argument("--repeats", type=int, default=3, help="best of N for the --help / import timings")
     p.add_argument("--entry-only", action="store_true", help="only the --help / import timings")
+    p.add_argument("--outside", action="store_true", help="only the time outside the step loop vs a bare script")
+    p.add_argument("--rounds", type=int, default=3, help="best of N interleaved rounds for --outside")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--child", nargs="*", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
         child(args.child[0], args.child[1:])
+        return
+    if args.outside:
+        require_shared()
+        text = cut_text(WIKITEXT, args.text_bytes or None, args.work / "text.txt")
+        rows = outside_the_loop(args, text)
+        print(f"{args.model.name} · {text.stat().st_size:,} bytes · rolling {args.seq_len}, batch {args.batch_size}, ")
+        print(f"1 thread · wall seconds, best of {args.rounds} interleaved rounds (outside = wall - loop)")
+        print(table(rows, ["process", "wall s", "loop s", "outside s", "tokens", "outside vs bare"]))
         return
     print(f"fresh processes, best of {args.repeats} · wall seconds")
     print(table(entry_startup(args.repeats), ["command", "best s", "vs import torch"]))

@@ -143,12 +143,25 @@ def write_summary(sweep_dir: str | Path, output_subdir: str | None = ".hydra") -
     return md, csv_path, markdown
 
 
+def launched_externally() -> bool:
+    """Whether a launcher that keeps the ranks for every job (torchrun, srun, ...) started this process: the
+    cluster environments Lightning itself detects before falling back to launching ranks of its own."""
+    from lightning.fabric.plugins.environments import (
+        KubeflowEnvironment,
+        LSFEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    return any(env.detect() for env in (SLURMEnvironment, TorchElasticEnvironment, KubeflowEnvironment, LSFEnvironment))
+
+
 class SweepSummary(Callback):
     """Hydra callback: the sweep's summary table at the end of a multirun; DDP-safe job dirs during it."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self._saved: tuple[dict[str, str], int, list[str]] | None = None
+        self._saved: tuple[dict[str, str], int, list[str], bool] | None = None
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.hydra.mode != RunMode.MULTIRUN:
@@ -162,7 +175,7 @@ class SweepSummary(Callback):
         # Lightning's launcher leaves LOCAL_RANK, WORLD_SIZE, MASTER_PORT, OMP_NUM_THREADS ... in os.environ and
         # the process group open; the next job of an in-process sweep would take them as its own (and, seeing
         # LOCAL_RANK, launch no ranks). Each job starts from the state the sweep started with.
-        self._saved = (dict(os.environ), torch.get_num_threads(), list(sys.argv))
+        self._saved = (dict(os.environ), torch.get_num_threads(), list(sys.argv), launched_externally())
         # sys.argv is the sweep's only when the jobs run in this process (the basic launcher).
         if set(MULTIRUN_FLAGS) & set(sys.argv[1:]):
             flags = [a for a in sys.argv[1:] if a not in MULTIRUN_FLAGS and not _is_override(a)]
@@ -178,13 +191,16 @@ class SweepSummary(Callback):
             return
         import torch
 
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        env, threads, argv, external = self._saved
+        # Ranks started by torchrun or srun run every job: their process group serves them all (Lightning reuses
+        # an initialized one). Re-initialising it hung: torchrun's store still held the first rendezvous' keys.
+        # Ranks Lightning launched for this job exit with it: the next job needs a group of its own.
+        if not external and torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        # The finished job's trainer and module sit in reference cycles that still hold its process groups, and
-        # through them its rendezvous store. With MASTER_PORT fixed by the user the next job's ranks then met
-        # stale state on that port (measured: 2 sweeps in 3 failed to connect or hung); collected, none did.
-        gc.collect()
-        env, threads, argv = self._saved
+            # The finished job's trainer and module sit in reference cycles that still hold its process groups,
+            # and through them its rendezvous store. With MASTER_PORT fixed by the user the next job's ranks then
+            # met stale state on that port (measured: 2 sweeps in 3 failed to connect or hung); collected, none did.
+            gc.collect()
         os.environ.clear()
         os.environ.update(env)
         torch.set_num_threads(threads)

@@ -6,17 +6,20 @@ the summation order inside matmuls) over the same tokens, and each rank must hol
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import STORIES, TINYSTORIES, require_shared, run_entry
+from conftest import ROOT, STORIES, TINYSTORIES, require_shared, run, run_entry
 from nodes import free_port
 
 from lit_ppl import parallel, tensor_parallel
 from lit_ppl.nll import cross_entropy_
+from lit_ppl.run import evaluate
 
 
 def _args(docs, *extra: str) -> list[str]:
@@ -164,9 +167,8 @@ def test_tensor_parallel_layouts_match_one_process(docs_file, single, tmp_path, 
         (["quant=int8"], ["strategy=fsdp", "trainer.devices=2"]),
     ],
 )
-def test_quantized_weights_are_sharded_and_exact(docs_file, tmp_path, quant, extra):
-    proc, one = run_entry(_args(docs_file, *quant), tmp_path / "one")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_quantized_weights_are_sharded_and_exact(docs_file, tmp_path, compose, quant, extra):
+    one = evaluate(compose(*_args(docs_file, *quant)))
     proc, r = run_entry(_args(docs_file, *quant, *extra), tmp_path / "two")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert r["tokens"] == one["tokens"]
@@ -177,30 +179,58 @@ def test_quantized_weights_are_sharded_and_exact(docs_file, tmp_path, quant, ext
     assert max(r["rank_weight_bytes"]) < 0.65 * one["rank_weight_bytes"][0], (r["rank_weight_bytes"], one)
 
 
+BAD_LAYOUTS = [
+    (["strategy=tp", "trainer.devices=3"], "parallel.tp=3 does not divide the model's 8 attention heads"),
+    (["strategy=ddp", "trainer.devices=2", "parallel.tp=4"], "= 4 does not divide the world size 2"),
+    (["strategy=fsdp", "trainer.devices=2", "parallel.dp_shard=2", "parallel.tp=2"], "= 4 is not the world size 2"),
+    (
+        ["strategy=tp", "trainer.devices=2", "trainer.num_nodes=2", "parallel.tp=4"],
+        "parallel.tp=4 does not fit within a node of 2 ranks",
+    ),
+    (["strategy=tp", "trainer.devices=2", "eval.deterministic=true"], "parallel.tp=2 with eval.deterministic=true"),
+    (
+        ["strategy=tp", "trainer.devices=2", "quant=awq", f"quant.calibration.path={TINYSTORIES}"],
+        "quant.method=awq with strategy layout tp",
+    ),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "extra,message",
-    [
-        (["strategy=tp", "trainer.devices=3"], "parallel.tp=3 does not divide the model's 8 attention heads"),
-        (["strategy=ddp", "trainer.devices=2", "parallel.tp=4"], "= 4 does not divide the world size 2"),
-        (["strategy=fsdp", "trainer.devices=2", "parallel.dp_shard=2", "parallel.tp=2"], "= 4 is not the world size 2"),
-        (
-            ["strategy=tp", "trainer.devices=2", "trainer.num_nodes=2", "parallel.tp=4"],
-            "parallel.tp=4 does not fit within a node of 2 ranks",
-        ),
-        (["strategy=tp", "trainer.devices=2", "quant=int8"], "int8 scales each output row by its maximum"),
-        (["strategy=tp", "trainer.devices=2", "eval.deterministic=true"], "parallel.tp=2 with eval.deterministic=true"),
-        (
-            ["strategy=tp", "trainer.devices=2", "quant=awq", f"quant.calibration.path={TINYSTORIES}"],
-            "quant.method=awq with strategy layout tp",
-        ),
-    ],
-)
-def test_bad_layouts_fail_in_one_line(docs_file, tmp_path, extra, message):
-    proc, r = run_entry(_args(docs_file, *extra), tmp_path, timeout=120)
+def test_int8_on_row_parallel_layers_is_refused(docs_file, tmp_path):
+    # Known once the model is split (which layers are row-parallel, and whether the quant rules reach them).
+    proc, r = run_entry(_args(docs_file, "strategy=tp", "trainer.devices=2", "quant=int8"), tmp_path, timeout=120)
     assert proc.returncode != 0 and r is None
     errors = [line for line in proc.stderr.splitlines() if line.startswith("lit-ppl: error:")]
-    assert errors and message in errors[0], proc.stderr[-2000:]
+    assert errors and "int8 scales each output row by its maximum" in errors[0], proc.stderr[-2000:]
+
+
+# Every case in one process: each must be refused before a model loads or a rank starts, so none reaches Lightning
+# (a check that let one through would launch ranks of this script and fail the test).
+_REFUSE_ALL = """
+import json, sys
+from hydra import compose, initialize_config_dir
+from lit_ppl.errors import LitPplError
+from lit_ppl.run import evaluate
+from lit_ppl.validate import conf_dir
+with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+    for overrides in json.loads(sys.argv[1]):
+        try:
+            evaluate(compose("validate", overrides=overrides))
+            print(json.dumps(None), flush=True)
+        except LitPplError as err:
+            print(json.dumps(str(err)), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_bad_layouts_fail_in_one_line(docs_file, tmp_path):
+    cases = [[*_args(docs_file, *extra), f"output_dir={tmp_path / str(i)}"] for i, (extra, _) in enumerate(BAD_LAYOUTS)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = run([sys.executable, "-c", _REFUSE_ALL, json.dumps(cases)], 240, cwd=tmp_path, env=env)
+    errors = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith(("null", '"'))]
+    assert proc.returncode == 0 and len(errors) == len(BAD_LAYOUTS), (BAD_LAYOUTS[len(errors)], proc.stderr[-3000:])
+    for (extra, message), error in zip(BAD_LAYOUTS, errors, strict=True):
+        assert error is not None and message in error and "\n" not in error, (extra, error)
 
 
 @pytest.mark.slow

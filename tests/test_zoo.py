@@ -1,20 +1,24 @@
 """Every architecture family people evaluate, against a plain Hugging Face forward of the same weights.
 
-Tiny random-init models (:mod:`zoo`) of each family are scored by lit-ppl at one process, under ``fsdp`` on 2
-gloo ranks (the meta-device sharded loader) and with ``quant=int8``; the reference is the model's own
+Tiny random-init models (:mod:`zoo`) of each family are scored by lit-ppl at one process, under ``fsdp`` and ``tp``
+on 2 gloo ranks (one torchrun sweep over the families each) and with ``quant=int8``; the reference is the model's own
 ``forward(...).logits`` in float64, one window per document.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import zoo
-from conftest import STORIES, TINYSTORIES, require_shared, run_entry
+from conftest import ROOT, STORIES, TINYSTORIES, require_shared, run, run_entry
+from nodes import free_port
 
 from lit_ppl import scorer
 from lit_ppl.quant_targets import to_plain_linear
@@ -55,7 +59,7 @@ def reference(zoo_root, documents):
     return get
 
 
-def overrides(model: Path, docs: Path, *extra: str) -> list[str]:
+def overrides(model: Path | str, docs: Path, *extra: str) -> list[str]:
     return [
         "model=hf",
         f"model.path={model}",
@@ -94,14 +98,34 @@ def test_int8_quantizes_every_architecture(arch, reference, zoo_root, compose):
     assert 0 < q["full_precision_fraction"] < 0.6
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", zoo.ARCHITECTURES)
-def test_fsdp_two_ranks_matches_the_model_forward(arch, reference, zoo_root, tmp_path):
-    path, ppl, tokens = reference(arch)
-    proc, r = run_entry(overrides(path, zoo_root / "docs.jsonl", "strategy=fsdp", "trainer.devices=2"), tmp_path)
+def sweep_two_ranks(archs: list[str], reference, zoo_root: Path, tmp_path: Path, strategy: str) -> dict[str, dict]:
+    """Every family in one sweep (``-m model.path=A,B,...``) under ``torchrun --nproc_per_node 2``: the same two
+    ranks run every job, so each family costs its evaluation, not two interpreters' start-up. ``arch -> results``."""
+    paths = [str(reference(arch)[0]) for arch in archs]
+    assert not any("," in p for p in paths)
+    sweep_dir = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(free_port()), "-m", "lit_ppl.validate", "-m"]
+    cmd += overrides(",".join(paths), zoo_root / "docs.jsonl", f"strategy={strategy}", "trainer.devices=2")
+    cmd += [f"hydra.sweep.dir={sweep_dir}", f"data.cache_dir={tmp_path / 'cache'}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = run(cmd, 60 + 30 * len(archs), cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert r["tokens"] == tokens and r["world_size"] == 2
-    assert r["ppl"] == pytest.approx(ppl, rel=REL), arch
+    return {a: json.loads((sweep_dir / str(i) / "results.json").read_text()) for i, a in enumerate(archs)}
+
+
+def assert_match_the_forward(results: dict[str, dict], reference) -> None:
+    wrong = {}
+    for arch, r in results.items():
+        path, ppl, tokens = reference(arch)
+        if r["model"] != str(path) or r["tokens"] != tokens or r["world_size"] != 2 or abs(r["ppl"] / ppl - 1) > REL:
+            wrong[arch] = (r["model"], r["tokens"], tokens, r["ppl"], ppl)
+    assert not wrong, wrong
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_matches_the_model_forward(reference, zoo_root, tmp_path):
+    assert_match_the_forward(sweep_two_ranks(zoo.ARCHITECTURES, reference, zoo_root, tmp_path, "fsdp"), reference)
 
 
 def _tp_plan_problem(arch: str) -> str | None:
@@ -128,15 +152,12 @@ def test_families_without_a_plain_tp_plan_are_refused_by_config():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", TP_FAMILIES)
-def test_tensor_parallel_two_ranks_matches_the_model_forward(arch, reference, zoo_root, tmp_path):
+def test_tensor_parallel_two_ranks_matches_the_model_forward(reference, zoo_root, tmp_path):
     """The model's own plan, split over 2 ranks, against a plain float64 forward of the whole model: the scorer's
     self-check cannot see a split that changes the model (both of its paths run the split model)."""
-    path, ppl, tokens = reference(arch)
-    proc, r = run_entry(overrides(path, zoo_root / "docs.jsonl", "strategy=tp", "trainer.devices=2"), tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert r["tokens"] == tokens and r["parallel"]["tp"] == 2
-    assert r["ppl"] == pytest.approx(ppl, rel=REL), arch
+    results = sweep_two_ranks(TP_FAMILIES, reference, zoo_root, tmp_path, "tp")
+    assert all(r["parallel"]["tp"] == 2 for r in results.values())
+    assert_match_the_forward(results, reference)
 
 
 def test_moe_experts_are_quantized_by_name(reference, zoo_root, compose):
