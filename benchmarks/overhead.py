@@ -382,23 +382,9 @@ def main() -> None:
                 "fresh process", n, steps, f["tokens"], Usage(f["wall"], f["cpu"], f["sys"], f["faults"]), None, "—"
             )
     use_threads(args.threads[0])
-    run_lit(text, args.work, args.seq_len, args.batch_size, "data.limit=1")  # imports, token store, allocator setting
+    # Imports, the first Trainer and lit-ppl's allocator setting, on a short text (the whole text is one document).
+    run_lit(cut_text(WIKITEXT, 20_000, args.work / "wiki_warm_up.txt"), args.work, args.seq_len, args.batch_size)
     rows = rounds(text, args.work, lm, batches, args)
-    tables = []
-    if not args.no_breakdown:
-        for n in args.threads:
-            use_threads(n)
-            load = load_average()
-            paired = paired_steps(lm, batches, args.paired_repeats)
-            clocks, _, loop = instrumented(text, args.work, args)
-            tables.append(f"\nper step, {n} thread(s) (load avg {load:.1f} → {load_average():.1f}):\n")
-            tables.append(
-                table(breakdown(paired, clocks, loop), ["part", "ms/step", "CPU ms/step", "% of raw step (CPU)"])
-            )
-            tables.append(
-                f"instrumented lit-ppl loop: {loop.faults / len(batches):,.0f} page faults and "
-                f"{loop.sys / len(batches) * 1e3:.1f} ms of system time per step"
-            )
     print(
         f"\nstories260K, rolling {args.seq_len}, batch {args.batch_size}, float32; WikiText-2 valid "
         f"({args.text_bytes or 'whole'} bytes: {tokens:,} tokens, {steps} steps); ratio = lit-ppl / raw tok/s"
@@ -407,8 +393,21 @@ def main() -> None:
     columns += ["raw faults / sys ms per step", "lit-ppl faults / sys ms per step", "load avg"]
     print(table([*rows, *fresh.values()], columns))
     print()
-    print(summary(rows, args.threads))
-    print("\n".join(tables))
+    print(summary(rows, args.threads), flush=True)
+    if args.no_breakdown:
+        return
+    for n in args.threads:  # each printed as soon as it is measured
+        use_threads(n)
+        load = load_average()
+        paired = paired_steps(lm, batches, args.paired_repeats)
+        clocks, _, loop = instrumented(text, args.work, args)
+        print(f"\nper step, {n} thread(s) (load avg {load:.1f} → {load_average():.1f}):\n")
+        print(table(breakdown(paired, clocks, loop), ["part", "ms/step", "CPU ms/step", "% of raw step (CPU)"]))
+        print(
+            f"instrumented lit-ppl loop: {loop.faults / steps:,.0f} page faults and "
+            f"{loop.sys / steps * 1e3:.1f} ms of system time per step",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
