@@ -224,11 +224,12 @@ with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
 
 @pytest.mark.slow
 def test_bad_layouts_fail_in_one_line(docs_file, tmp_path):
-    cases = [[*_args(docs_file, *extra), f"output_dir={tmp_path / str(i)}"] for i, (extra, _) in enumerate(BAD_LAYOUTS)]
+    where = [f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}"]
+    cases = [[*_args(docs_file, *extra), *where] for extra, _ in BAD_LAYOUTS]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = run([sys.executable, "-c", _REFUSE_ALL, json.dumps(cases)], 240, cwd=tmp_path, env=env)
     errors = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith(("null", '"'))]
-    assert proc.returncode == 0 and len(errors) == len(BAD_LAYOUTS), (BAD_LAYOUTS[len(errors)], proc.stderr[-3000:])
+    assert proc.returncode == 0 and len(errors) == len(BAD_LAYOUTS), (BAD_LAYOUTS[len(errors) :], proc.stderr[-3000:])
     for (extra, message), error in zip(BAD_LAYOUTS, errors, strict=True):
         assert error is not None and message in error and "\n" not in error, (extra, error)
 
