@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lit_ppl.errors import LitPplError
-from lit_ppl.results import write_text_atomic
+from lit_ppl.results import host_rss, write_text_atomic
 
 DEFAULT_CACHE = Path("~/.cache/lit_ppl/autobatch.json")
 GiB = 2**30
@@ -37,15 +37,6 @@ def host_peak_reset() -> None:
     """Reset this process's peak resident set size (Linux: ``VmHWM``)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-
-
-def host_rss(field: str = "VmRSS") -> int:
-    """This process's current (``VmRSS``) or peak (``VmHWM``) resident set size in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def release_free_host_memory() -> None:

@@ -26,18 +26,13 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def _vm_hwm_kib() -> int | None:
-    """Linux's peak RSS of this process image (``VmHWM``). Not ``ru_maxrss``: Linux carries that over ``exec`` from
-    the process that forked it, so a rank started by a 1.3 GB pytest (or by rank 0) reported its parent's peak
-    (measured: 1305.9 MB on rank 0 of every layout, whatever it loaded)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+def host_rss(field: str = "VmRSS") -> int:
+    """This process's current (``VmRSS``) or peak (``VmHWM``) resident set size in bytes (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def peak_memory(device: Any) -> tuple[int, int]:
@@ -47,8 +42,12 @@ def peak_memory(device: Any) -> tuple[int, int]:
     """
     import torch
 
-    rss_kib = _vm_hwm_kib()
-    if rss_kib is None:
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the process that forked this one, so a rank
+    # started by a 1.3 GB pytest (or by rank 0) reported its parent's peak (measured: 1305.9 MB on rank 0 of every
+    # layout, whatever it loaded).
+    try:
+        rss_kib = host_rss("VmHWM") // 1024
+    except (OSError, RuntimeError):  # not Linux
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         rss_kib = rss // 1024 if sys.platform == "darwin" else rss  # bytes on macOS, KiB on Linux
     on_cuda = getattr(device, "type", None) == "cuda"
