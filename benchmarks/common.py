@@ -141,9 +141,9 @@ def raw_batches(model: Path, text: Path, work: Path, seq_len: int, batch_size: i
     Built before the raw loop's clock starts, so the baseline pays nothing for batching: a strict bar. Each is
     ``(input_ids, score_index, targets)`` as lit-ppl's collator makes them, so both sides score the same tokens.
     """
-    from lit_ppl.data import PerplexityDataModule
-    from lit_ppl.models import ModelSpec
-    from lit_ppl.sources import DataSpec
+    from lit_ppl.data.datamodule import PerplexityDataModule
+    from lit_ppl.data.sources import DataSpec
+    from lit_ppl.model.spec import ModelSpec
 
     dm = PerplexityDataModule(
         DataSpec(path=str(text), cache_dir=str(work / "cache")),

@@ -26,8 +26,8 @@ from common import (
     table,
 )
 
-from lit_ppl.compiling import compile_decoder
-from lit_ppl.scorer import TokenScorer
+from lit_ppl.model.compiling import compile_decoder
+from lit_ppl.model.scorer import TokenScorer
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ consecutive paragraphs, one JSON line ``{"text": ...}`` each, in gzip shards of 
    corpus, best of ``--repeats`` interleaved (target: at most 1.5 s slower);
 3. cold tokenization — ``python -m lit_ppl.fetch`` of the medium corpus into a fresh ``data.cache_dir`` minus the
    same fetch warm (its start-up), ``data.num_proc=2`` vs ``1``: MB of text/s, tokens/s (target: ≥ 1.7×), and the
-   CPU seconds of the process and its tokenizing pool; also ``lit_ppl.tokens.prepare`` alone under ``python -c``,
+   CPU seconds of the process and its tokenizing pool; also ``lit_ppl.data.store.prepare`` alone under ``python -c``,
    whose pool workers import no main module (a CLI's workers import ``lit_ppl.fetch``/``validate`` again);
 4. token store — bytes per token of ``tokens.bin`` (target ≤ 2 for ``uint16``), the whole store vs the text,
    and what else was cached: the cache directory must hold only ``tokens/`` and ``datasets``' cache
@@ -184,12 +184,12 @@ def fetch(args, corpus: Path, cache: Path, work: Path, num_proc: int) -> tuple[f
 
 
 def prepare_child(cache: str, num_proc: str, corpus: str, model: str) -> None:
-    """``lit_ppl.tokens.prepare`` alone, as the CLI would call it; run under ``python -c``, so that the spawned pool
+    """``lit_ppl.data.store.prepare`` alone, as the CLI would call it; run under ``python -c``, so that the spawned pool
     workers import no main module (a ``python -m lit_ppl.fetch`` pool's workers import ``lit_ppl.fetch``)."""
     from common import compose
 
+    from lit_ppl.data.store import Corpus, prepare
     from lit_ppl.run import build
-    from lit_ppl.tokens import Corpus, prepare
 
     cfg = compose(f"model.path={model}", "data=text", f"data.path={corpus}", f"data.cache_dir={cache}")
     cfg.data.num_proc = int(num_proc)
@@ -263,9 +263,9 @@ def plan_child(store: str, seq_len: str, batch_size: str) -> None:
     import gc
     import tracemalloc
 
-    from lit_ppl.sampler import ExactBatchSampler
-    from lit_ppl.tokens import Corpus
-    from lit_ppl.windows import build_windows
+    from lit_ppl.data.sampler import ExactBatchSampler
+    from lit_ppl.data.store import Corpus
+    from lit_ppl.data.windows import build_windows
 
     c = Corpus.open(Path(store))
     seq, batch = int(seq_len), int(batch_size)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from common import ROOT, STORIES, WIKITEXT, cut_text, require_shared, table
 
-sys.path.insert(0, str(ROOT / "tests"))
-from nodes import launch, slow_cgroup, wait
+sys.path.insert(0, str(ROOT / "tests"))  # for tests/helpers
+from helpers.nodes import launch, slow_cgroup, wait
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ def child(path: str, vocab: int, batch: int, seq: int, hidden_size: int, chunk: 
     import torch
     import torch.nn.functional as F
 
-    from lit_ppl.nll import chunked_nll
+    from lit_ppl.model.nll import chunked_nll
 
     torch.manual_seed(0)
     hidden = torch.randn(batch, seq, hidden_size)

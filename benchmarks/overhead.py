@@ -66,7 +66,8 @@ RELATIVE_NLL = 1e-6  # the raw loop's F.cross_entropy and lit-ppl's in-place los
 
 def use_threads(n: int) -> None:
     """``n`` intra-op threads for both sides; ``OMP_NUM_THREADS`` keeps lit-ppl from resetting the count to one per
-    core (:func:`lit_ppl.strategies.set_cpu_threads`), which would run both sides at 2 after lit-ppl's first run."""
+    core (:func:`lit_ppl.runtime.threads.set_cpu_threads`), which would run both sides at 2 after lit-ppl's first
+    run."""
     os.environ["OMP_NUM_THREADS"] = str(n)
     torch.set_num_threads(n)
 
@@ -145,7 +146,7 @@ class Timers:
 def step_loop_usage() -> Iterator[Usage]:
     """The usage of lit-ppl's step loop: from the module's validation start (where its ``seconds`` clock starts,
     after the allocator setting) to its epoch end (where it stops). Nothing is added per step."""
-    from lit_ppl.module import PerplexityModule
+    from lit_ppl.evaluation.module import PerplexityModule
 
     usage, start = Usage(), []
     on_start, on_end = PerplexityModule.on_validation_start, PerplexityModule.on_validation_epoch_end
@@ -243,7 +244,7 @@ def raw_child(args: argparse.Namespace, batches: list) -> None:
 def paired_steps(lm: torch.nn.Module, batches: list, repeats: int) -> dict[str, Clock]:
     """The raw step and lit-ppl's ``TokenScorer`` (as ``validation_step`` calls it) on the same batch tensors,
     alternated batch by batch in a rotating order."""
-    from lit_ppl.scorer import TokenScorer
+    from lit_ppl.model.scorer import TokenScorer
 
     scorer = TokenScorer(lm, chunk_size=1024)
     total = torch.zeros((), dtype=torch.float64)
@@ -274,12 +275,12 @@ def instrumented(text: Path, work: Path, args: argparse.Namespace) -> tuple[dict
     from lightning.pytorch.strategies import Strategy
     from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
-    from lit_ppl.data import WindowCollator
-    from lit_ppl.loggers import TokensPerSecondLogger
-    from lit_ppl.metric import Perplexity
-    from lit_ppl.module import PerplexityModule
-    from lit_ppl.progress import TokensPerSecondBar
-    from lit_ppl.resume import ResumeCallback
+    from lit_ppl.data.datamodule import WindowCollator
+    from lit_ppl.evaluation.module import PerplexityModule
+    from lit_ppl.evaluation.resume import ResumeCallback
+    from lit_ppl.metrics.perplexity import Perplexity
+    from lit_ppl.report.loggers import TokensPerSecondLogger
+    from lit_ppl.report.progress import TokensPerSecondBar
 
     timers = Timers()
     for owner, name, label in (

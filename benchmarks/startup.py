@@ -35,8 +35,8 @@ from common import ROOT, STORIES, WIKITEXT, cut_text, require_shared, table
 def child(marks_path: str, overrides: list[str]) -> None:
     t0 = float(os.environ["LIT_PPL_BENCH_T0"])
     marks: dict[str, float] = {}
-    import lit_ppl.data as data
-    import lit_ppl.module as module
+    import lit_ppl.data.datamodule as data
+    import lit_ppl.evaluation.module as module
     import lit_ppl.validate as validate
 
     marks["imports done"] = time.time() - t0

@@ -1,7 +1,7 @@
 """The architecture table: each zoo family's reference PPL, lit-ppl at 1 process, under fsdp × 2 and tp × 2, int8.
 
 Not a speed benchmark: the figures the architectures table in README.md and the closing notes quote. It builds the
-tiny random-init models of ``tests/zoo.py``, scores them with a plain Hugging Face float64 forward, then runs
+tiny random-init models of ``tests/helpers/zoo.py``, scores them with a plain Hugging Face float64 forward, then runs
 ``python -m lit_ppl.validate`` on each (1 process, ``strategy=fsdp trainer.devices=2``, ``strategy=tp
 trainer.devices=2``, ``quant=int8``).
 
@@ -20,8 +20,8 @@ from pathlib import Path
 
 from common import ROOT, STORIES, require_shared
 
-sys.path.insert(0, str(ROOT / "tests"))
-import zoo
+sys.path.insert(0, str(ROOT / "tests"))  # for tests/helpers
+from helpers import zoo
 
 SEQ_LEN = 128
 

@@ -8,7 +8,8 @@
     lit-ppl validate --print_config > mine.yaml             # every option, with its default
 
 Every option comes from the typed schema of the Hydra config (:mod:`lit_ppl.config`), so the two entries cannot
-drift apart: ``--model.*`` is :class:`~lit_ppl.models.ModelSpec` and ``--data.*`` :class:`~lit_ppl.sources.DataSpec`
+drift apart: ``--model.*`` is :class:`~lit_ppl.model.spec.ModelSpec` and ``--data.*``
+:class:`~lit_ppl.data.sources.DataSpec`
 (the schema mirrors both), ``--trainer.*`` Lightning's ``Trainer`` (``--trainer.strategy`` takes the names of
 ``conf/strategy/``, ``--trainer.precision`` any Lightning precision), ``--eval.*``, ``--quant.*`` and
 ``--parallel.*`` the ``eval=``/``quant=``/``strategy=`` groups: ``--eval.mode sliding`` is ``eval=sliding``,
@@ -34,18 +35,17 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from hydra.errors import InstantiationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lit_ppl import config
+from lit_ppl.data.sources import DataSpec
 from lit_ppl.errors import LitPplError
-from lit_ppl.models import ModelSpec
-from lit_ppl.run import USER_ERRORS, evaluate
-from lit_ppl.sources import DataSpec
-from lit_ppl.validate import EXIT_CONFIG, conf_dir
+from lit_ppl.model.spec import ModelSpec
+from lit_ppl.run import USER_ERRORS, evaluate, exit_for
+from lit_ppl.validate import conf_dir
 from lit_ppl.validate import main as validate_main
 
 SUBCOMMANDS = ("validate",)
@@ -226,8 +226,8 @@ def to_hydra_config(ns: Any) -> DictConfig:
     ev = opts["eval"]
     output_dir = opts["output_dir"] or os.environ.get(OUTPUT_DIR_ENV) or time.strftime("outputs/cli/%Y-%m-%d/%H-%M-%S")
     cfg = {
-        "model": {"_target_": "lit_ppl.models.ModelSpec", **opts["model"]},
-        "data": {"_target_": "lit_ppl.sources.DataSpec", **opts["data"]},
+        "model": {"_target_": "lit_ppl.model.spec.ModelSpec", **opts["model"]},
+        "data": {"_target_": "lit_ppl.data.sources.DataSpec", **opts["data"]},
         "eval": _overlay(_load("eval", ev["mode"]), ev),
         "trainer": given,
         "strategy": {"name": strategy},
@@ -262,19 +262,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = PerplexityCLI(argv[1:]).hydra_config
     except ValueError as err:  # a value jsonargparse's types admit but lit-ppl does not (e.g. the strategy)
-        print(f"lit-ppl: error: {err}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG if isinstance(err, config.ConfigError) else 1)
+        line, code = exit_for(err) if isinstance(err, USER_ERRORS) else (f"lit-ppl: error: {err}", 1)
+        print(line, file=sys.stderr)
+        sys.exit(code)
     os.environ[OUTPUT_DIR_ENV] = cfg.output_dir  # inherited by the ranks Lightning relaunches
-    try:
-        # Hydra's decorated main runs its task function directly on a config passed to it: the same signal
-        # handling, resume, exit codes and one-line errors as `python -m lit_ppl.validate`.
-        validate_main(cfg)
-    except InstantiationException as err:
-        # Hydra's own entry prints these without a traceback; report the cause (ModelSpec/DataSpec's check).
-        if not isinstance(err.__cause__, USER_ERRORS):
-            raise
-        print(f"lit-ppl: error: {err.__cause__}", file=sys.stderr)
-        sys.exit(1)
+    # Hydra's decorated main runs its task function directly on a config passed to it: the same signal handling,
+    # resume, exit codes and one-line errors as `python -m lit_ppl.validate`.
+    validate_main(cfg)
 
 
 if __name__ == "__main__":

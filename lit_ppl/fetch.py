@@ -13,20 +13,24 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from lit_ppl.run import USER_ERRORS, build
-from lit_ppl.tokens import Corpus, prepare
+from lit_ppl import config
+from lit_ppl.config.targets import construct
+from lit_ppl.data.store import Corpus, prepare
+from lit_ppl.run import exit_for
 from lit_ppl.validate import conf_dir
 
 
 def fetch(cfg: DictConfig) -> Path:
     """Download what ``cfg`` evaluates and build its token store; return the store's directory."""
-    model = build(cfg.model)
+    config.check(cfg)  # the same checks as the evaluation, before anything is downloaded
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    model = construct(plain["model"])
     snapshot = model.download()
     if snapshot:
         print(f"model: {model.path} in {snapshot}")
-    spec = build(cfg.data)
+    spec = construct(plain["data"])
     store = prepare(spec, model.tokenizer(), cfg.distributed.timeout_s)
     corpus = Corpus.open(store)
     size = sum(f.stat().st_size for f in store.iterdir())
@@ -41,9 +45,10 @@ def fetch(cfg: DictConfig) -> Path:
 def main(cfg: DictConfig) -> None:
     try:
         fetch(cfg)
-    except USER_ERRORS as err:
-        print(f"lit-ppl: error: {err}", file=sys.stderr)
-        sys.exit(1)
+    except Exception as err:
+        line, code = exit_for(err)
+        print(line, file=sys.stderr)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

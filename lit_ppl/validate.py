@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import NoReturn
 
@@ -31,7 +30,8 @@ from omegaconf import DictConfig
 
 from lit_ppl import config  # registers the schema (base_validate) that conf/validate.yaml starts from
 
-# Exit code of a config Hydra could not compose or the schema refused (argparse's and jsonargparse's usage code).
+# Exit code of a config Hydra could not compose or the schema refused (argparse's and jsonargparse's usage code);
+# lit_ppl.run.exit_for gives the same code for a config refused later.
 EXIT_CONFIG = 2
 # entry() sets HYDRA_FULL_ERROR so that composition errors reach it as exceptions; this marks that it did (ranks
 # that Lightning relaunches inherit both), as opposed to a user asking for Hydra's full traces.
@@ -62,48 +62,45 @@ def main(cfg: DictConfig) -> None:
     except config.ConfigError as err:
         _fail(f"lit-ppl: error: {err}", EXIT_CONFIG)
     # Imported here: composing the config (--help, --cfg job) needs neither torch nor Lightning.
-    import torch
-
-    from lit_ppl.distributed import first_line, rank
-    from lit_ppl.resume import EXIT_PREEMPTED, Preempted, install_signal_handlers, requeue_if_slurm
-    from lit_ppl.run import USER_ERRORS, evaluate
+    from lit_ppl.evaluation.resume import Preempted, install_signal_handlers, requeue_if_slurm
+    from lit_ppl.run import evaluate, exit_for
 
     install_signal_handlers()
     try:
         evaluate(cfg)
-    except Preempted as err:
-        requeue_if_slurm()
-        _fail(f"lit-ppl: {err}", EXIT_PREEMPTED)
-    except USER_ERRORS as err:
-        _fail(f"lit-ppl: error: {err}", 1)
-    except (torch.distributed.DistNetworkError, torch.distributed.DistStoreError) as err:
-        # Raised while the ranks find each other (TCPStore): nothing ran yet, no peer "died".
-        _fail(f"lit-ppl: error: rank {rank()}: could not reach the other ranks at start-up: {first_line(err)}", 1)
-    except torch.distributed.DistError as err:
-        # A collective failed because a peer went away: one line per surviving rank, not a page of C++.
-        _fail(f"lit-ppl: error: rank {rank()}: a collective failed, another rank probably died: {first_line(err)}", 1)
     except Exception as err:
-        _fail(internal_error(err), 1)
-
-
-def internal_error(err: BaseException) -> str:
-    """Print ``err``'s traceback; return the line that says it is not the user's input but a bug to report."""
-    from lit_ppl.distributed import first_line
-
-    traceback.print_exception(err)
-    return (
-        f"lit-ppl: internal error: {type(err).__name__}: {first_line(err)} — not a problem lit-ppl found in "
-        "the input; a bug in lit-ppl or a library it calls: please report it with the traceback above"
-    )
+        if isinstance(err, Preempted):
+            requeue_if_slurm()
+        _fail(*exit_for(err))
 
 
 def _reraise(err: BaseException) -> NoReturn:
     raise err
 
 
+def hydra_target_override(argv: list[str]) -> str | None:
+    """An override that sets a ``_target_`` under ``hydra.`` (a callback, a launcher): Hydra instantiates those
+    itself, before lit-ppl's own check of the config can run, so they are refused from the command line unless
+    ``allow_any_target=true`` is given too. Presets under ``conf/hydra/`` are files, not overrides."""
+    if "allow_any_target=true" in argv:
+        return None
+    for arg in argv:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if not arg.startswith("-") and key.startswith("hydra.") and key.endswith("_target_"):
+            return arg
+    return None
+
+
 def entry() -> None:
     """``python -m lit_ppl.validate``: Hydra's main, with composition errors (an unknown key, a value of the wrong
     type, a missing group option) on one line instead of Hydra's several lines and traceback hint."""
+    if (arg := hydra_target_override(sys.argv[1:])) is not None:
+        print(
+            f"lit-ppl: error: {arg}: a hydra.* _target_ is instantiated by Hydra before any check; "
+            "set allow_any_target=true to allow it",
+            file=sys.stderr,
+        )
+        sys.exit(EXIT_CONFIG)
     if os.environ.get("HYDRA_FULL_ERROR") and not os.environ.get(_OWN_FULL_ERROR):
         main()  # the user asked for Hydra's full traces
         return

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from lit_ppl.autobatch import auto_batch_size, largest_fitting, peak_memory
-from lit_ppl.models import ModelSpec
-from lit_ppl.scorer import TokenScorer
+from lit_ppl.data.autobatch import auto_batch_size, largest_fitting, probe_peak_bytes
+from lit_ppl.model.scorer import TokenScorer
+from lit_ppl.model.spec import ModelSpec
 
 SEQ = 256
 
@@ -38,7 +38,7 @@ def scorer():
 
 def test_cpu_peak_is_measured_for_real(scorer):
     big = torch.zeros(64, 2**20)  # noqa: F841 - resident before the probe: not counted
-    one = peak_memory(lambda: torch.ones(2**22).sum(), torch.device("cpu"))  # 16 MiB
+    one = probe_peak_bytes(lambda: torch.ones(2**22).sum(), torch.device("cpu"))  # 16 MiB
     assert 12 * 2**20 < one < 40 * 2**20
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import STORIES, TINYSTORIES, require_shared, run_entry
 
-from lit_ppl.results import write_json_atomic
 from lit_ppl.run import evaluate
+from lit_ppl.runtime.files import write_json_atomic
 
 
 def _checkpoint(tmp_path: Path, name: str, edit) -> Path:
@@ -297,7 +297,7 @@ def test_an_internal_bug_keeps_its_traceback(tmp_path, bug):
 
 def test_lit_ppl_checks_raise_lit_ppl_error():
     from lit_ppl.errors import LitPplError
-    from lit_ppl.parallel import resolve
+    from lit_ppl.parallel.layout import resolve
 
     with pytest.raises(LitPplError, match="is not the world size 2"):
         resolve(2, 2, 1, world_size=2)

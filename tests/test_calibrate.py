@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from conftest import ROOT, SHARED, STORIES, TINYSTORIES, require_shared, run_entry
 
-from lit_ppl import quantize
-from lit_ppl.awq import candidate_scales
-from lit_ppl.calibrate import Calibration, CalibrationSpec, prepare_calibration
-from lit_ppl.models import ModelSpec
-from lit_ppl.sampler import global_batches
-from lit_ppl.sources import DataSpec
+from lit_ppl.data.sampler import global_batches
+from lit_ppl.data.sources import DataSpec
+from lit_ppl.model.spec import ModelSpec
+from lit_ppl.quant import apply as quantize
+from lit_ppl.quant.awq import candidate_scales
+from lit_ppl.quant.calibration import Calibration, CalibrationSpec, prepare_calibration
 
 SHAKESPEARE = SHARED / "tinyshakespeare.txt"
 # Windows of 256, 256, 256, 256 and 88 tokens in batches of 2: three batches (2 + 1 at two ranks, 1 + 1 + 1 at
@@ -95,7 +95,7 @@ def reference_statistics(cal: Calibration) -> dict[str, dict[str, torch.Tensor]]
     """One process, every calibration input kept: Σ|x|, the count and each candidate's Σ error², in float64."""
     from torchao.quantization import Int8WeightOnlyConfig
 
-    from lit_ppl.awq import quantize_weight
+    from lit_ppl.quant.awq import quantize_weight
 
     model, inputs = reference_inputs(cal)
     names = list(inputs)
@@ -194,7 +194,7 @@ def test_policy_rules_choose_the_method_per_module(tmp_path):
 
 
 def test_statistics_equal_a_float64_computation_over_the_whole_set(tmp_path):
-    from lit_ppl.awq import awq_statistics
+    from lit_ppl.quant.awq import awq_statistics
 
     require_shared()
     cal = calibration(tmp_path, batch_size=3)  # [256, 256, 256] and [256, 88 + padding]: padding is left out
@@ -210,7 +210,7 @@ def test_statistics_equal_a_float64_computation_over_the_whole_set(tmp_path):
 
 
 def test_gptq_hessians_equal_a_float64_xtx_over_the_whole_set(tmp_path):
-    from lit_ppl.gptq import gptq_hessians
+    from lit_ppl.quant.gptq import gptq_hessians
 
     require_shared()
     cal = calibration(tmp_path, batch_size=3)  # padding in the last batch is left out
@@ -224,8 +224,8 @@ def test_gptq_hessians_equal_a_float64_xtx_over_the_whole_set(tmp_path):
 
 def test_gptq_refusals_on_cuda_are_decided_without_one():
     """What a GPU would refuse (int4 without bf16, int8dq, a tied table) is decided by the plan, testable here."""
-    from lit_ppl.quant_plan import Rule, Scheme, method_problem
-    from lit_ppl.quant_targets import find_targets
+    from lit_ppl.quant.plan import Rule, Scheme, method_problem
+    from lit_ppl.quant.targets import find_targets
 
     require_shared()
     targets = find_targets(lm())
@@ -247,7 +247,7 @@ def test_gptq_quantization_itself_needs_cuda(tmp_path):
     from torchao.prototype.gptq import GPTQConfig, gptq_quantize
     from torchao.quantization import Int8WeightOnlyConfig
 
-    from lit_ppl.gptq import gptq_weight
+    from lit_ppl.quant.gptq import gptq_weight
 
     x = torch.randn(64, 32, dtype=torch.float64)
     w = torch.randn(16, 32)
@@ -279,7 +279,7 @@ def _rank_worker(rank: int, world: int, store: str, cache: str, out: str) -> Non
     """One rank: the reduced statistics, then the whole quantization with source=local and source=rank0."""
     import torch.distributed as dist
 
-    from lit_ppl.awq import awq_statistics
+    from lit_ppl.quant.awq import awq_statistics
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -360,7 +360,7 @@ def _gptq_rank_worker(rank: int, world: int, store: str, cache: str, out: str) -
     """One rank: its shard's Hessians, reduced over the ranks, saved for the parent to compare."""
     import torch.distributed as dist
 
-    from lit_ppl.gptq import gptq_hessians
+    from lit_ppl.quant.gptq import gptq_hessians
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -401,7 +401,7 @@ import json, sys, torch
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 import test_calibrate as t
-from lit_ppl.awq import awq_statistics
+from lit_ppl.quant.awq import awq_statistics
 torch.set_num_threads(1)
 cal = t.calibration(Path({cache!r}), tokens={tokens}, seq_len=512, batch_size=8)
 model = t.lm()

@@ -103,8 +103,8 @@ def test_calibration_options_are_the_quant_files_keys():
     """The CLI's ``--quant.calibration.*`` options are exactly the keys of ``conf/quant/awq.yaml``'s calibration."""
     from dataclasses import fields
 
-    from lit_ppl.calibrate import DATA_KEYS, CalibrationSpec
     from lit_ppl.cli import CalibrationOptions, _load
+    from lit_ppl.quant.calibration import DATA_KEYS, CalibrationSpec
 
     names = {f.name for f in fields(CalibrationOptions)}
     assert names == set(_load("quant", "awq")["calibration"])

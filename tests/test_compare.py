@@ -10,15 +10,16 @@ import pytest
 import torch
 from conftest import STORIES, TINYSTORIES, require_shared
 
-from lit_ppl import histogram, quantize
-from lit_ppl.compare import CompareModule, CompareScorer
-from lit_ppl.data import PerplexityDataModule
-from lit_ppl.kl import HISTOGRAMS, KLDivergence, token_stats
-from lit_ppl.models import ModelSpec
+from lit_ppl.data.datamodule import PerplexityDataModule
+from lit_ppl.data.sources import DataSpec
+from lit_ppl.evaluation.compare import CompareModule, CompareScorer
+from lit_ppl.metrics import histogram
+from lit_ppl.metrics.kl import HISTOGRAMS, KLDivergence, token_stats
+from lit_ppl.model.spec import ModelSpec
+from lit_ppl.quant import apply as quantize
 from lit_ppl.run import evaluate
-from lit_ppl.sources import DataSpec
 
-ALPHA = 1e-3  # the histograms' relative error bound (lit_ppl.histogram)
+ALPHA = 1e-3  # the histograms' relative error bound (lit_ppl.metrics.histogram)
 DATA = ["model=hf", f"model.path={STORIES}", "data=text", f"data.path={TINYSTORIES}", "trainer=cpu"]
 
 

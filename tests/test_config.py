@@ -1,4 +1,4 @@
-"""The typed config schema (lit_ppl/config.py): strict keys, types and allowed values, one-line errors, --help,
+"""The typed config schema (lit_ppl/config/__init__.py): strict keys, types and allowed values, one-line errors, --help,
 a torch-free start-up, and the Lightning CLI's options derived from the same schema."""
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from hydra import initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from lit_ppl import config, config_quant, config_schema, config_values
+from lit_ppl import config
+from lit_ppl.config import quant as config_quant
+from lit_ppl.config import schema as config_schema
+from lit_ppl.config import values as config_values
 from lit_ppl.validate import EXIT_CONFIG, conf_dir
 
 EVAL_KEYS = "valid keys: mode, seq_len, stride, chunk_size, deterministic"
@@ -107,8 +110,9 @@ def test_help_and_cfg_job_import_neither_torch_nor_lightning(argv):
 
 
 def test_sweep_callback_imports_without_torch():
-    """validate.yaml's hydra.callbacks names lit_ppl.sweep.SweepSummary: Hydra imports it before any run starts."""
-    modules = _imported("import lit_ppl.sweep")
+    """validate.yaml's hydra.callbacks names lit_ppl.report.sweep.SweepSummary: Hydra imports it before any run
+    starts."""
+    modules = _imported("import lit_ppl.report.sweep")
     assert "lit_ppl" in modules and not modules & {"torch", "lightning", "matplotlib"}
 
 
@@ -275,7 +279,10 @@ def _hints(cls: type, init_only: bool = True) -> dict[str, typing.Any]:
 
 @pytest.mark.parametrize(
     ("schema", "spec"),
-    [(config_schema.ModelConfig, "lit_ppl.models.ModelSpec"), (config_schema.DataConfig, "lit_ppl.sources.DataSpec")],
+    [
+        (config_schema.ModelConfig, "lit_ppl.model.spec.ModelSpec"),
+        (config_schema.DataConfig, "lit_ppl.data.sources.DataSpec"),
+    ],
 )
 def test_target_schemas_match_their_classes(schema, spec):
     """model/data are instantiated by ``_target_``: the schema has exactly the class's fields, types and defaults."""
@@ -291,7 +298,7 @@ def test_target_schemas_match_their_classes(schema, spec):
 
 
 def test_calibration_schema_matches_calibration_spec():
-    from lit_ppl.calibrate import DATA_KEYS, CalibrationSpec
+    from lit_ppl.quant.calibration import DATA_KEYS, CalibrationSpec
 
     spec = {f.name: f.default for f in dataclasses.fields(CalibrationSpec) if f.name != "data"}
     fields = {f.name: f.default for f in dataclasses.fields(config_quant.CalibrationConfig)}
@@ -302,7 +309,11 @@ def test_calibration_schema_matches_calibration_spec():
 def test_allowed_values_match_the_code():
     from lightning.fabric.plugins.precision import precision as lightning_precision
 
-    from lit_ppl import balance, compare, quant_plan, quant_targets, sources, strategies, windows
+    from lit_ppl.data import balance, sources, windows
+    from lit_ppl.evaluation import compare
+    from lit_ppl.parallel import strategies
+    from lit_ppl.quant import plan as quant_plan
+    from lit_ppl.quant import targets as quant_targets
 
     assert config_values.STRATEGY_NAMES == strategies.STRATEGIES
     assert set(config_values.STRATEGY_NAMES) == {p.stem for p in (Path(conf_dir()) / "strategy").glob("*.yaml")}

@@ -18,16 +18,16 @@ import pytest
 import torch
 import zstandard
 from conftest import ROOT, STORIES, TINYSTORIES, WIKITEXT, require_shared
-from nodes import launch, wait
+from helpers.nodes import launch, wait
 
-from lit_ppl.data import WindowCollator
-from lit_ppl.models import ModelSpec
+from lit_ppl.data.datamodule import WindowCollator
+from lit_ppl.data.sampler import PAD
+from lit_ppl.data.sources import DataSpec, documents
+from lit_ppl.data.store import Corpus, prepare, store_dir, token_dtype
+from lit_ppl.data.windows import build_windows
+from lit_ppl.model.spec import ModelSpec
+from lit_ppl.model.tokenizer import ByteTokenizer
 from lit_ppl.run import evaluate
-from lit_ppl.sampler import PAD
-from lit_ppl.sources import DataSpec, documents
-from lit_ppl.tokenizer import ByteTokenizer
-from lit_ppl.tokens import Corpus, prepare, store_dir, token_dtype
-from lit_ppl.windows import build_windows
 
 COMPRESS = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress, ".zst": zstandard.compress}
 
@@ -233,10 +233,10 @@ def test_a_live_builder_is_waited_for_and_a_silent_one_taken_over(tmp_path):
 
 _PREPARE = """
 import sys
-from lit_ppl.data import WindowCollator
-from lit_ppl.models import ModelSpec
-from lit_ppl.sources import DataSpec
-from lit_ppl.tokens import prepare
+from lit_ppl.data.datamodule import WindowCollator
+from lit_ppl.model.spec import ModelSpec
+from lit_ppl.data.sources import DataSpec
+from lit_ppl.data.store import prepare
 tok = ModelSpec(path=sys.argv[1]).tokenizer()
 print(prepare(DataSpec(path=sys.argv[2], cache_dir=sys.argv[3], num_proc=int(sys.argv[4])), tok, 120, False))
 """

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 from conftest import STORIES, run_entry
-from nodes import launch, slow_cgroup, wait
-
-from lit_ppl.run import evaluate
+from helpers.nodes import launch, slow_cgroup, wait
+from helpers.runs import evaluate_overrides
 
 pytestmark = pytest.mark.slow
 EXACT_KEYS = ("nll_sum", "ppl", "nll_stderr", "ppl_ci95", "word_ppl", "byte_ppl", "bits_per_byte", "tokens", "words")
@@ -33,17 +32,13 @@ def _args(docs: Path, *extra: str, deterministic: bool = True) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(docs_file, tmp_path_factory):
     """One process, in-process, per (batch size, precision)."""
-    from hydra import compose, initialize_config_dir
-
-    from lit_ppl.validate import conf_dir
-
-    out = {}
-    for batch, precision in ((1, "32-true"), (5, "32-true"), (5, "bf16-true")):
-        tmp = tmp_path_factory.mktemp(f"ref{batch}{precision}")
-        overrides = [*_args(docs_file, f"batch_size={batch}", f"precision={precision}"), f"output_dir={tmp}"]
-        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-            out[batch, precision] = evaluate(compose("validate", overrides=overrides))
-    return out
+    return {
+        (batch, precision): evaluate_overrides(
+            _args(docs_file, f"batch_size={batch}", f"precision={precision}"),
+            tmp_path_factory.mktemp(f"ref{batch}{precision}"),
+        )
+        for batch, precision in ((1, "32-true"), (5, "32-true"), (5, "bf16-true"))
+    }
 
 
 def _assert_identical(r: dict, ref: dict) -> None:

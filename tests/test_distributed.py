@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, STORIES, WIKITEXT, require_shared, run_entry
-from nodes import free_port
-
-from lit_ppl.run import evaluate
+from helpers.nodes import free_port
+from helpers.runs import evaluate_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -30,17 +29,10 @@ def _args(docs: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(docs_file, tmp_path_factory):
     """Single-process values in 32-true and 64-true, computed in-process."""
-    from hydra import compose, initialize_config_dir
-
-    from lit_ppl.validate import conf_dir
-
-    out = {}
-    for precision in ("32-true", "64-true"):
-        tmp = tmp_path_factory.mktemp(precision)
-        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-            cfg = compose("validate", overrides=[*_args(docs_file, f"precision={precision}"), f"output_dir={tmp}"])
-        out[precision] = evaluate(cfg)
-    return out
+    return {
+        precision: evaluate_overrides(_args(docs_file, f"precision={precision}"), tmp_path_factory.mktemp(precision))
+        for precision in ("32-true", "64-true")
+    }
 
 
 @pytest.mark.parametrize(

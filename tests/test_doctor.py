@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nodes import free_port
+from helpers.nodes import free_port
 
 from lit_ppl.doctor import DistEnv, DistEnvError, check_consistency, resolve_dist_env
-from lit_ppl.results import write_json_atomic
+from lit_ppl.runtime.files import write_json_atomic
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_ppl.exact import HI_LIMIT, VALUE_LIMIT, FixedPointOverflow, limbs, value
-from lit_ppl.metric import NLLBreakdown, Perplexity
+from lit_ppl.metrics.exact import HI_LIMIT, VALUE_LIMIT, FixedPointOverflow, limbs, value
+from lit_ppl.metrics.perplexity import NLLBreakdown, Perplexity
 
 
 def test_limbs_hold_the_value_rounded_to_2_pow_minus_40():

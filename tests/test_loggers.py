@@ -9,7 +9,7 @@ import json
 import pytest
 from conftest import run_entry
 
-from lit_ppl import loggers
+from lit_ppl.report import loggers
 from lit_ppl.run import evaluate
 
 # Many short steps, a tokens/s point after each: the demo text is ~1,940 tokens, 64-token windows, one per step.
@@ -136,7 +136,7 @@ def test_quiet_console_hides_only_the_listed_lines(caplog):
     import logging
     import warnings
 
-    from lit_ppl.progress import set_verbose
+    from lit_ppl.report.progress import set_verbose
 
     banner = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     try:
@@ -149,7 +149,7 @@ def test_quiet_console_hides_only_the_listed_lines(caplog):
             warnings.warn("some other library warning", UserWarning, stacklevel=1)
             banner.info("GPU available: False, used: False")
             banner.info("LOCAL_RANK: 0 - some other Lightning line")
-            logging.getLogger("lit_ppl.quantize").warning("quantization skipped 3 layers")
+            logging.getLogger("lit_ppl.quant.apply").warning("quantization skipped 3 layers")
         assert [str(w.message) for w in caught] == ["some other library warning"]
         assert [r.getMessage() for r in caplog.records] == [
             "LOCAL_RANK: 0 - some other Lightning line",

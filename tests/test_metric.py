@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_ppl.metric import Perplexity, perplexity
+from lit_ppl.metrics.perplexity import Perplexity, perplexity
 
 
 def _reference_nll(seed: int = 0, n: int = 300, vocab: int = 50) -> torch.Tensor:

@@ -1,8 +1,8 @@
 import torch
 from torch import nn
 
-from lit_ppl.models import ModelSpec, key_problem, parameters_on_meta
-from lit_ppl.sharding import unloaded
+from lit_ppl.model.spec import ModelSpec, key_problem, parameters_on_meta
+from lit_ppl.parallel.sharding import unloaded
 
 
 def test_build_empty_has_meta_parameters_and_real_buffers(stories):

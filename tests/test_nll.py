@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_ppl.nll import chunked_nll
+from lit_ppl.model.nll import chunked_nll
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 10_000])

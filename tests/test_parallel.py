@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import ROOT, STORIES, TINYSTORIES, require_shared, run, run_entry
-from nodes import free_port
+from helpers.nodes import free_port
 
-from lit_ppl import parallel, tensor_parallel
-from lit_ppl.nll import cross_entropy_
+from lit_ppl.model.nll import cross_entropy_
+from lit_ppl.parallel import layout as parallel
+from lit_ppl.parallel import tensor_parallel
 from lit_ppl.run import evaluate
 
 

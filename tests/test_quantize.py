@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import STORIES, TINYSTORIES, require_shared, run_entry
 
-from lit_ppl import quant_check, quantize
-from lit_ppl.models import ModelSpec
+from lit_ppl.model.spec import ModelSpec
+from lit_ppl.quant import apply as quantize
+from lit_ppl.quant import consistency as quant_check
 from lit_ppl.run import evaluate
 
 DATA = ["model=hf", f"model.path={STORIES}", "data=text", f"data.path={TINYSTORIES}", "trainer=cpu"]

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from lit_ppl import plots, report, report_table
-from lit_ppl.results import write_json_atomic
+from lit_ppl.report import plots
+from lit_ppl.report import runs as report
+from lit_ppl.report import tables as report_table
 from lit_ppl.run import evaluate
+from lit_ppl.runtime.files import write_json_atomic
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -147,14 +149,14 @@ def test_load_run_accepts_the_file(run_dirs):
 def test_markdown_and_csv(run_dirs, tmp_path):
     runs = [report.load_run(run_dirs[n]) for n in ("b1", "b3", "int8")]
     rows = report.compare_runs(runs)
-    md = report_table.to_markdown(rows).splitlines()
+    md = report_table.runs_markdown(rows).splitlines()
     assert md[0].startswith("| run | PPL | 95% CI | ΔPPL | ΔPPL % | CI overlap | tokens | world | batch |")
     assert "mean KLD" in md[0] and "top-1 agree" in md[0]
     assert md[1].startswith("|:---|---:|") and len(md) == 2 + len(runs)
     assert md[2].startswith(f"| {run_dirs['b1']} | {runs[0]['ppl']:.6f} |") and "| — | — | — |" in md[2]
     assert "| int8 |" in md[4] and md[4].count("|") == md[0].count("|")
     # Without a comparison the KLD columns are left out rather than filled with dashes.
-    assert "mean KLD" not in report_table.to_markdown(rows[:2])
+    assert "mean KLD" not in report_table.runs_markdown(rows[:2])
 
     path = report_table.to_csv(rows, tmp_path / "sub" / "report.csv")
     with path.open() as f:

@@ -15,8 +15,9 @@ import pytest
 import torch
 from conftest import ROOT, WIKITEXT, require_shared
 
-from lit_ppl import autobatch, report
-from lit_ppl.resume import EXIT_PREEMPTED
+from lit_ppl.data import autobatch
+from lit_ppl.evaluation.resume import EXIT_PREEMPTED
+from lit_ppl.report import runs as report
 
 pytestmark = pytest.mark.slow
 EXACT_KEYS = ("ppl", "nll_sum", "nll_mean", "nll_stderr", "tokens", "words", "bytes", "documents", "word_ppl")

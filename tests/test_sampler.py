@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from lit_ppl.sampler import PAD, ExactBatchSampler, global_batches, plan_batches, shard_by_tokens
+from lit_ppl.data.sampler import PAD, ExactBatchSampler, global_batches, plan_batches, shard_by_tokens
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])

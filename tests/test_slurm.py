@@ -9,11 +9,6 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, STORIES, WIKITEXT, require_shared, run_entry
 
-try:
-    from tests.slurm_cluster import slurm
-except ImportError:  # tests/ not importable as a package
-    from slurm_cluster import slurm  # noqa: F401
-
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 TEMPLATE = ROOT / "slurm" / "validate_cpu.sbatch"
 

@@ -1,4 +1,4 @@
-"""Smoke tests for the local two-node Slurm cluster (.ci/slurm.sh + tests/slurm_cluster.py)."""
+"""Smoke tests for the local two-node Slurm cluster (.ci/slurm.sh + tests/helpers/slurm_cluster.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,6 @@ import textwrap
 import time
 
 import pytest
-
-try:
-    from tests.slurm_cluster import slurm
-except ImportError:  # tests/ not importable as a package
-    from slurm_cluster import slurm  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 

@@ -10,16 +10,11 @@ import sys
 
 import pytest
 from conftest import ROOT, run
-from nodes import free_port
+from helpers.nodes import free_port
 from omegaconf import OmegaConf
 
+from lit_ppl.report.sweep import summarize, sweep_markdown, write_summary
 from lit_ppl.run import evaluate
-from lit_ppl.sweep import summarize, to_markdown, write_summary
-
-try:
-    from tests.slurm_cluster import slurm
-except ImportError:  # tests/ not importable as a package
-    from slurm_cluster import slurm  # noqa: F401
 
 
 def fake_job(sweep, name: str, overrides: list[str], results: dict | None) -> None:
@@ -56,7 +51,7 @@ def test_summary_columns_rows_and_missing_jobs(tmp_path):
     assert [r["job"] for r in rows] == ["0", "1", "2", "10"]
     assert [r["ppl"] for r in rows] == [10.0, 10.5, "", 11.0]
     assert rows[2]["status"] == "no results.json" and rows[2]["quant"] == "none"
-    md = to_markdown(rows)
+    md = sweep_markdown(rows)
     assert md.count("\n") == 2 + 4 and "| 1 | int8 | 32-true | 10.500000 |" in md
 
 
@@ -82,7 +77,7 @@ def test_config_registers_callback_and_composes_submitit(compose):
         for launcher in ("submitit_slurm", "slurm"):
             cfg = hydra_compose("validate", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
             assert cfg.hydra.launcher._target_.endswith("submitit_launcher.SlurmLauncher")
-            assert cfg.hydra.callbacks.sweep_summary._target_ == "lit_ppl.sweep.SweepSummary"
+            assert cfg.hydra.callbacks.sweep_summary._target_ == "lit_ppl.report.sweep.SweepSummary"
         overrides = ["hydra/launcher=slurm", "trainer.devices=4"]
         cfg = hydra_compose("validate", overrides=overrides, return_hydra_config=True)
         assert cfg.hydra.launcher.tasks_per_node == 4 and cfg.hydra.launcher.nodes == 1

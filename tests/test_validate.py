@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import ROOT, run_entry
 
-from lit_ppl.results import per_rank
+from lit_ppl.report.summary import per_rank
 from lit_ppl.run import evaluate
 
 REQUIRED_KEYS = {

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from lit_ppl.data import WindowCollator
-from lit_ppl.tokens import Corpus
-from lit_ppl.windows import build_windows
+from lit_ppl.data.datamodule import WindowCollator
+from lit_ppl.data.store import Corpus
+from lit_ppl.data.windows import build_windows
 
 L = 8
 EDGE_LENGTHS = [1, L - 1, L, L + 1, 5 * L]

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import zoo
 from conftest import ROOT, STORIES, TINYSTORIES, require_shared, run, run_entry
-from nodes import free_port
+from helpers import zoo
+from helpers.nodes import free_port
 
-from lit_ppl import scorer
-from lit_ppl.quant_targets import to_plain_linear
+from lit_ppl.model import scorer
+from lit_ppl.model.scorer import ScorerMismatchError
+from lit_ppl.quant.targets import to_plain_linear
 from lit_ppl.run import evaluate
-from lit_ppl.scorer import ScorerMismatchError
 
 SEQ_LEN = 128
 REL = 1e-6  # float32 lit-ppl vs float64 reference: measured ≤ 1e-7 on every architecture
@@ -132,7 +132,7 @@ def _tp_plan_problem(arch: str) -> str | None:
     """Why lit-ppl cannot split ``arch`` tensor-parallel (from its config alone), or ``None``."""
     from transformers import AutoConfig
 
-    from lit_ppl.tensor_parallel import check_plan
+    from lit_ppl.parallel.tensor_parallel import check_plan
 
     try:
         check_plan(AutoConfig.for_model(arch, **zoo.COMMON, **zoo.CONFIGS[arch]))

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lit_ppl.results import write_text_atomic
+from lit_ppl.runtime.files import write_text_atomic
 
 GIB = 1024**3
 

@@ -1,0 +1,157 @@
+"""The ``quant`` node of the config schema (weight quantization: one scheme, or rules; calibration text), and
+``compare``, whose reference may be quantized too.
+
+A rule of ``quant.rules`` and a ``compare.reference`` given as a node are untyped in OmegaConf (a rule stays as
+written; a reference may also be a path), so :func:`check_rules` and :func:`check_reference` check them against
+:class:`RuleConfig` and :class:`ReferenceConfig` once the config is composed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lit_ppl.config.fields import check_fields, typed_copy
+from lit_ppl.config.values import (
+    DATA_FORMATS,
+    ENCODING_ERRORS,
+    GROUP_SIZES,
+    INT4_BACKENDS,
+    PATHS,
+    QUANT_METHODS,
+    QUANT_NAMES,
+    QUANT_ROLES,
+    QUANT_SCHEMES,
+    QUANT_SOURCES,
+    REFERENCE_DTYPES,
+    ConfigError,
+    check_calibration,
+    check_paths,
+    meta,
+)
+
+
+def check_rules(key: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}={value!r} must be a list of rules {{role|match, config[, group_size, method]}}")
+    for i, rule in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(rule, dict):
+            raise ConfigError(f"{where}={rule!r} must be a rule {{role|match, config[, group_size, method]}}")
+        # Validated on a typed copy: quant_plan.rules_from_cfg reads an absent key as "not given", so the rule
+        # itself keeps only the keys the user wrote.
+        typed = typed_copy(RuleConfig, rule, where)
+        if (typed["role"] is None) == (typed["match"] is None):
+            raise ConfigError(f"{where} needs exactly one of role (one of {', '.join(QUANT_ROLES)}) or match (a regex)")
+        check_fields(RuleConfig, typed, where)
+
+
+def check_reference(key: str, value: Any) -> None:
+    if value is None or isinstance(value, str):
+        return
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}={value!r} must be null, a checkpoint path, or {{path, dtype, quant}}")
+    check_fields(ReferenceConfig, typed_copy(ReferenceConfig, value, key), key)
+
+
+@dataclass
+class CalibrationConfig:
+    """``quant.calibration``: the calibration text of awq/gptq (:class:`lit_ppl.quant.calibration.CalibrationSpec`)."""
+
+    path: Any = field(
+        default=None,
+        metadata=meta(
+            "calibration text, read like data.path", check=check_paths, union=PATHS, shown="str | list[str] | null"
+        ),
+    )
+    format: str = field(default="auto", metadata=meta("as data.format", choices=DATA_FORMATS))
+    text_field: str = field(default="text", metadata=meta("as data.text_field"))
+    document_separator: str | None = field(default=None, metadata=meta("as data.document_separator"))
+    encoding_errors: str = field(default="strict", metadata=meta("as data.encoding_errors", choices=ENCODING_ERRORS))
+    limit: int | None = field(default=None, metadata=meta("only the first N documents"))
+    cache_dir: str | None = field(default=None, metadata=meta("token store"))
+    seq_len: int = field(default=512, metadata=meta("tokens per calibration window"))
+    tokens: int = field(default=8192, metadata=meta("calibration tokens"))
+    batch_size: int = field(default=8, metadata=meta("windows per forward pass"))
+    grid: int = field(default=20, metadata=meta("AWQ: candidate scales per layer"))
+    allow_overlap: bool = field(default=False, metadata=meta("accept calibration text identical to the evaluated text"))
+
+
+@dataclass
+class RuleConfig:
+    """One rule of ``quant.rules`` (``quant=policy``); only used to check a rule, which stays as written."""
+
+    role: str | None = field(default=None, metadata=meta("a role (or match)", choices=QUANT_ROLES))
+    match: str | None = field(default=None, metadata=meta("a regex searched in the module name (or role)"))
+    config: str = field(default="none", metadata=meta("the scheme", choices=QUANT_SCHEMES))
+    group_size: int | None = field(
+        default=None, metadata=meta("int4 group size (default: quant.group_size)", choices=GROUP_SIZES)
+    )
+    method: str | None = field(
+        default=None, metadata=meta("rtn, awq or gptq (default: quant.method)", choices=QUANT_METHODS)
+    )
+
+
+@dataclass
+class QuantConfig:
+    """``quant``: weight quantization."""
+
+    name: str = field(
+        default="none", metadata=meta("one scheme for every linear layer, or policy (rules)", choices=QUANT_NAMES)
+    )
+    method: str = field(
+        default="rtn", metadata=meta("round-to-nearest, or calibrated (awq, gptq: CUDA)", choices=QUANT_METHODS)
+    )
+    group_size: int | None = field(default=None, metadata=meta("int4 group size", choices=GROUP_SIZES))
+    backend: str = field(default="auto", metadata=meta("int4 kernel", choices=INT4_BACKENDS))
+    head: bool = field(default=False, metadata=meta("also quantize the output head"))
+    source: str = field(
+        default="local", metadata=meta("every rank quantizes, or rank 0 broadcasts", choices=QUANT_SOURCES)
+    )
+    rules: list[dict[str, Any]] | None = field(
+        default=None,
+        metadata=meta(
+            "policy: ordered rules, first match wins",
+            check=check_rules,
+            schema=RuleConfig,
+            shown="list[{role|match, config, group_size?, method?}] | null",
+        ),
+    )
+    calibration: CalibrationConfig = field(
+        default_factory=CalibrationConfig, metadata=meta("awq/gptq calibration text")
+    )
+
+
+@dataclass
+class ReferenceConfig:
+    """``compare.reference`` given as a node (it may also be a path, so the field itself is untyped)."""
+
+    path: str | None = field(default=None, metadata=meta("null: model.path"))
+    dtype: str | None = field(default=None, metadata=meta("null: the run's precision", choices=REFERENCE_DTYPES))
+    quant: QuantConfig = field(
+        default_factory=QuantConfig, metadata=meta("the reference's quantization, as quant", check=check_calibration)
+    )
+
+
+@dataclass
+class CompareConfig:
+    """``compare``: a reference model, compared token by token."""
+
+    reference: Any = field(
+        default=None,
+        metadata=meta(
+            "null, a checkpoint path, or {path, dtype, quant}",
+            check=check_reference,
+            schema=ReferenceConfig,
+            union=str | dict[str, Any] | None,
+            shown="str | {path, dtype, quant} | null",
+        ),
+    )
+
+
+def quant_node(value: Any) -> dict[str, Any]:
+    """A ``quant`` node as a plain dict with every key the schema defines, its defaults filled in: what the
+    quantization code reads, so that no default is repeated there (a reference's node may give only a few keys)."""
+    return typed_copy(QuantConfig, dict(value or {}), "quant")

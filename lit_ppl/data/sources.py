@@ -1,0 +1,268 @@
+"""Where documents come from: local files (any extension, compressed or not, directories, globs) or a hub dataset.
+
+Files are streamed with Hugging Face ``datasets`` (``load_dataset(..., streaming=True)``): its ``text``, ``json``
+and ``parquet`` readers, its decompression of ``.gz``/``.bz2``/``.xz``/``.zst``, nothing written to disk and
+memory bounded by a batch of documents. A hub dataset is downloaded into ``datasets``' cache (so that a node
+without internet can read it later) and read from its memory-mapped Arrow files.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from lit_ppl.config.values import DATA_FORMATS, ENCODING_ERRORS
+from lit_ppl.errors import LitPplError
+
+DEMO_TEXT = "package://lit_ppl.assets/demo.txt"
+FORMATS = DATA_FORMATS
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+_BY_EXTENSION = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # anything else is text
+_ERRORS = ENCODING_ERRORS
+
+
+@dataclass
+class DataSpec:
+    """Which documents to evaluate.
+
+    Attributes:
+        path: a file, a directory (every file in it, of one format), a glob (``c4/validation/*.json.gz``) or a
+            list of these; files are read in sorted order. The default is a short text shipped with the package.
+        format: ``auto`` (by extension: ``.jsonl``/``.json`` → json, ``.parquet`` → parquet, anything else → text,
+            under any of ``.gz``/``.bz2``/``.xz``/``.zst``), or ``text``/``json``/``parquet`` for every file.
+        hub_name: a hub dataset name (used when ``path`` is empty), e.g. ``wikitext``.
+        hub_config: the hub dataset's configuration, e.g. ``wikitext-2-raw-v1``.
+        split: which split of the hub dataset to evaluate.
+        text_field: the column holding the text (json/parquet files and hub datasets).
+        join_rows: concatenate all rows into one text before splitting (line-per-row hub datasets such as
+            WikiText; the joined text is held in memory).
+        document_separator: a regex that splits each text into documents (``None``: one text, one document).
+        encoding_errors: how text that is not valid UTF-8 is read: ``strict`` (an error naming the file and byte
+            offset), ``replace`` (U+FFFD) or ``ignore``.
+        limit: evaluate only the first ``limit`` documents (lm-eval's ``--limit``); ``None``: all.
+        num_proc: processes tokenizing a corpus the first time (``None``: the CPUs this process may use).
+        cache_dir: where tokenized corpora are kept (``None``: ``$LIT_PPL_CACHE``, else
+            ``$XDG_CACHE_HOME/lit_ppl``, else ``~/.cache/lit_ppl``); a directory every node can read keeps one
+            copy per job.
+    """
+
+    path: Any = DEMO_TEXT
+    format: str = "auto"
+    hub_name: str | None = None
+    hub_config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    join_rows: bool = False
+    document_separator: str | None = None
+    encoding_errors: str = "strict"
+    limit: int | None = None
+    num_proc: int | None = None
+    cache_dir: str | None = None
+    paths: list[str] = field(init=False)
+    builder: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise LitPplError(f"data.format={self.format!r} is not one of {', '.join(FORMATS)}")
+        raw = [] if self.path in (None, "") else [self.path] if isinstance(self.path, str) else list(self.path)
+        self.paths = expand_paths([str(p) for p in raw])
+        if not self.paths and not self.hub_name:
+            raise LitPplError("no data: set data.path=FILE (a directory, a glob or a list) or data.hub_name=NAME")
+        self.builder = builder_of(self.paths, self.format) if self.paths else "hub"
+        if self.encoding_errors not in _ERRORS:
+            raise LitPplError(f"data.encoding_errors={self.encoding_errors!r} is not one of {', '.join(_ERRORS)}")
+        if self.limit is not None and (type(self.limit) is not int or self.limit < 1):
+            raise LitPplError(f"data.limit={self.limit!r} must be a positive number of documents or null")
+        if self.num_proc is not None and (type(self.num_proc) is not int or self.num_proc < 1):
+            raise LitPplError(f"data.num_proc={self.num_proc!r} must be a positive number of processes or null")
+        if self.document_separator is not None:
+            try:
+                re.compile(self.document_separator)
+            except re.error as err:
+                raise LitPplError(f"data.document_separator={self.document_separator!r} is not a regex: {err}") from err
+
+    def fingerprint(self, tokenizer_fingerprint: str, version: str) -> str:
+        """Key of the tokenized corpus: the files (path, size, mtime) or the hub dataset, the reading options and
+        the tokenizer. Contents are not hashed (a gigabyte would cost seconds at every start): a file rewritten
+        in place keeps its key only if its size and mtime are unchanged, as for ``datasets``' own cache."""
+        stats = [(p, *_stat(p)) for p in self.paths]
+        options = {k: getattr(self, k) for k in ("format", "text_field", "join_rows", "document_separator")}
+        options |= {"encoding_errors": self.encoding_errors, "limit": self.limit}
+        key = {"files": stats, "hub": [self.hub_name, self.hub_config, self.split], **options}
+        key |= {"tokenizer": tokenizer_fingerprint, "version": version}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+    def describe(self) -> str:
+        if not self.paths:
+            return f"hub dataset {self.hub_name} ({self.hub_config}, {self.split})"
+        return self.paths[0] if len(self.paths) == 1 else f"{len(self.paths)} files from {self.paths[0]}"
+
+
+def _stat(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def _inner_suffix(path: str) -> str:
+    p = Path(path)
+    return Path(p.stem).suffix if p.suffix in COMPRESSIONS else p.suffix
+
+
+def file_format(path: str) -> str:
+    """``text``, ``json`` or ``parquet`` from the extension under any compression suffix."""
+    return _BY_EXTENSION.get(_inner_suffix(path).lower(), "text")
+
+
+def builder_of(paths: list[str], fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    kinds = {p: file_format(p) for p in paths}
+    if len(set(kinds.values())) > 1:
+        example = {k: next(p for p, f in kinds.items() if f == k) for k in sorted(set(kinds.values()))}
+        raise LitPplError(
+            f"data.path mixes formats {example}; give files of one format, or set data.format=text|json|parquet"
+        )
+    return next(iter(kinds.values()))
+
+
+def expand_paths(raw: list[str]) -> list[str]:
+    """Files named by ``raw`` (files, directories, globs, ``package://`` resources): each entry's files sorted,
+    entries in the order given, no file twice."""
+    out: list[str] = []
+    for entry in raw:
+        if entry.startswith("package://"):
+            package, name = entry.removeprefix("package://").split("/", 1)
+            found = [str(files(package) / name)]
+        elif glob.has_magic(entry):
+            found = sorted(p for p in glob.glob(os.path.expanduser(entry), recursive=True) if Path(p).is_file())
+            if not found:
+                raise FileNotFoundError(f"data.path={entry!r} matches no files")
+        else:
+            local = Path(entry).expanduser()
+            if local.is_dir():
+                found = sorted(str(p) for p in local.rglob("*") if p.is_file() and not _hidden(p, local))
+                if not found:
+                    raise FileNotFoundError(f"data.path={entry!r} is an empty directory")
+            elif local.is_file():
+                found = [str(local)]
+            else:
+                raise FileNotFoundError(f"data.path={entry!r} is not a file, a directory or a glob that matches")
+        out.extend(str(Path(p).resolve()) for p in found)
+    return list(dict.fromkeys(out))
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def documents(spec: DataSpec, batch_size: int = 256) -> Iterator[list[str]]:
+    """The documents in order, ``batch_size`` at a time, at most ``spec.limit`` of them."""
+    left = spec.limit if spec.limit is not None else float("inf")
+    for batch in _split(spec, _texts(spec, batch_size)):
+        if left <= 0:
+            return
+        batch = batch[: int(min(left, len(batch)))]
+        left -= len(batch)
+        yield batch
+
+
+def _split(spec: DataSpec, texts: Iterator[list[str]]) -> Iterator[list[str]]:
+    if spec.join_rows:
+        texts = iter([["".join(t for batch in texts for t in batch)]])
+    for batch in texts:
+        if spec.document_separator is not None:
+            batch = [d for t in batch for d in re.split(spec.document_separator, t) if d.strip()]
+        if batch:
+            yield batch
+
+
+def _texts(spec: DataSpec, batch_size: int) -> Iterator[list[str]]:
+    if not spec.paths:
+        yield from _column(_load_hub(spec).iter(batch_size=batch_size), spec, spec.describe())
+        return
+    import datasets
+
+    kwargs: dict[str, Any] = {}
+    if spec.builder == "text":
+        kwargs = {"sample_by": "document", "encoding_errors": spec.encoding_errors}
+    # One reader over every file, in order (one per file would cost a setup each for thousands of shards); the
+    # file at fault is looked for only when reading fails.
+    try:
+        ds = datasets.load_dataset(spec.builder, data_files=spec.paths, split="train", streaming=True, **kwargs)
+        yield from _column(ds.iter(batch_size=batch_size), spec, spec.describe())
+    except UnicodeDecodeError:
+        path, offset = next((p, o) for p in spec.paths if (o := _bad_utf8_offset(p)) is not None)
+        raise LitPplError(
+            f"{path} is not valid UTF-8 at byte offset {offset}; fix the file or set data.encoding_errors=replace "
+            "(or ignore)"
+        ) from None
+    except (OSError, EOFError, ValueError) as err:
+        bad = next(((p, e) for p in spec.paths if (e := _decompress_error(p)) is not None), None)
+        if bad is None:
+            raise
+        raise LitPplError(f"data.path file {bad[0]} is not a valid {Path(bad[0]).suffix} file: {bad[1]}") from err
+
+
+def _column(batches: Iterator[dict[str, list]], spec: DataSpec, where: str) -> Iterator[list[str]]:
+    for batch in batches:
+        if spec.text_field not in batch:
+            raise LitPplError(f"data.text_field={spec.text_field!r} is not a column of {where}; it has {sorted(batch)}")
+        yield batch[spec.text_field]
+
+
+def _chunks(path: str) -> Iterator[bytes]:
+    """The file's bytes, decompressed by its suffix, a megabyte at a time."""
+    import fsspec
+
+    with fsspec.open(path, "rb", compression="infer") as f:
+        while chunk := f.read(1 << 20):
+            yield chunk
+
+
+def _bad_utf8_offset(path: str) -> int | None:
+    """Byte offset of the first invalid UTF-8 sequence in the (decompressed) file; ``None`` if there is none."""
+    decoder, offset, pending = codecs.getincrementaldecoder("utf-8")(), 0, 0
+    try:
+        for chunk in _chunks(path):
+            pending = len(decoder.getstate()[0])  # an incomplete sequence carried over from the last chunk
+            decoder.decode(chunk)
+            offset += len(chunk)
+        pending = len(decoder.getstate()[0])
+        decoder.decode(b"", final=True)  # a sequence cut off by the end of the file
+    except UnicodeDecodeError as err:
+        return offset - pending + err.start
+    return None
+
+
+def _decompress_error(path: str) -> Exception | None:
+    """What goes wrong decompressing ``path`` to its end (``None``: nothing, or not a compressed file)."""
+    if Path(path).suffix not in COMPRESSIONS:
+        return None
+    try:
+        for _ in _chunks(path):
+            pass
+    except Exception as err:  # each codec has its own error types (zlib, lzma, zstd, EOFError...)
+        return err
+    return None
+
+
+def _load_hub(spec: DataSpec):
+    import datasets
+
+    try:
+        return datasets.load_dataset(spec.hub_name, spec.hub_config, split=spec.split)
+    except ConnectionError as err:
+        raise LitPplError(
+            f"data.hub_name={spec.hub_name!r} is not in the datasets cache and the hub cannot be reached ({err}); "
+            "run `python -m lit_ppl.fetch` with the same model and data overrides where the hub is reachable (with "
+            "HF_HOME and data.cache_dir on storage these nodes read), or give a local data.path"
+        ) from None

@@ -1,0 +1,140 @@
+"""Evaluation windows: which tokens each forward pass sees and which of its predictions it scores.
+
+All modes work on one flat token array, the concatenation of ``[BOS] + document`` for every document. A
+window is ``(start, end, score_from)`` in that array: the model reads ``tokens[start:end]``, predicts
+``tokens[start + 1 : end + 1]`` and scores the predicted positions ``p`` with ``p >= score_from`` that are
+not a document's BOS. Every document token is scored by exactly one window in every mode:
+
+* ``rolling`` — lm-evaluation-harness ``loglikelihood_rolling`` (``get_rolling_token_windows`` with
+  ``context_len=1`` then ``make_disjoint_window``): per document, disjoint prediction windows of
+  ``seq_len`` tokens; later windows read exactly ``seq_len`` inputs ending just before their last target.
+* ``sliding`` — the Hugging Face strided window (``max_length=seq_len``, ``stride``): each window reads up
+  to ``seq_len - 1`` inputs and scores only the targets the previous window did not.
+* ``block`` — the whole stream cut into disjoint blocks of ``seq_len`` inputs; documents share windows,
+  each block's first input is context only (it was the previous block's last target).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from lit_ppl.config.values import EVAL_MODES
+from lit_ppl.errors import LitPplError
+
+Mode = Literal["rolling", "sliding", "block"]
+MODES: tuple[str, ...] = EVAL_MODES
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Evaluation windows as parallel int64 arrays, one entry per window.
+
+    ``documents``/``words``/``bytes`` count the documents whose *first* token the window scores, so that
+    summing them over any partition of the windows counts each document exactly once.
+    """
+
+    start: np.ndarray
+    end: np.ndarray
+    score_from: np.ndarray
+    documents: np.ndarray
+    words: np.ndarray
+    bytes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Input tokens of each window (its compute cost)."""
+        return self.end - self.start
+
+
+def doc_offsets(doc_lengths: np.ndarray) -> np.ndarray:
+    """Position of each document's BOS in the flat ``[BOS] + doc`` concatenation."""
+    sizes = np.asarray(doc_lengths, dtype=np.int64) + 1
+    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+
+
+def _groups(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ``counts[d]`` windows of each document ``d``: every window's document and its index within it."""
+    doc = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    return doc, np.arange(int(counts.sum()), dtype=np.int64) - first[doc]
+
+
+def _rolling(offsets: np.ndarray, n: np.ndarray, seq_len: int) -> tuple[np.ndarray, ...]:
+    # Window j of a document predicts its tokens [j·L, min(n, (j+1)·L)); the first reads [BOS] + its first
+    # tokens, later ones read exactly L inputs ending just before their last target.
+    counts = -(-n // seq_len)
+    doc, j = _groups(counts)
+    off, n_d = offsets[doc], n[doc]
+    end = np.minimum(n_d, (j + 1) * seq_len)
+    start = np.where(j == 0, 0, end - seq_len)
+    return off + start, off + end, off + j * seq_len + 1, counts
+
+
+def _sliding(offsets: np.ndarray, n: np.ndarray, seq_len: int, stride: int) -> tuple[np.ndarray, ...]:
+    # HF's loop over the stream [BOS] + doc of length n + 1: window i begins at i·stride, reads up to
+    # end_loc = min(begin + L, n + 1) (end_loc - begin - 1 inputs) and scores the targets from the previous
+    # window's end_loc on; the loop stops at the first window reaching the stream's end.
+    counts = np.maximum(0, -(-(n + 1 - seq_len) // stride)) + 1
+    doc, i = _groups(counts)
+    off, stream = offsets[doc], n[doc] + 1
+    begin = i * stride
+    end_loc = np.minimum(begin + seq_len, stream)
+    prev_end = np.where(i == 0, 1, begin - stride + seq_len)
+    return off + begin, off + end_loc - 1, off + np.maximum(prev_end, begin + 1), counts
+
+
+def build_windows(
+    mode: str,
+    doc_lengths: np.ndarray,
+    seq_len: int,
+    stride: int | None = None,
+    doc_words: np.ndarray | None = None,
+    doc_bytes: np.ndarray | None = None,
+) -> Windows:
+    """Cut documents of ``doc_lengths`` tokens into evaluation windows of at most ``seq_len`` inputs.
+
+    Examples:
+        >>> w = build_windows("rolling", np.array([5]), seq_len=2)
+        >>> [(int(a), int(b), int(s)) for a, b, s in zip(w.start, w.end, w.score_from)]
+        [(0, 2, 1), (2, 4, 3), (3, 5, 5)]
+    """
+    lengths = np.asarray(doc_lengths, dtype=np.int64)
+    if mode not in MODES:
+        raise LitPplError(f"eval.mode={mode!r} is not one of {', '.join(MODES)}")
+    if seq_len < 1 or (mode == "sliding" and seq_len < 2):
+        raise LitPplError(f"eval.seq_len={seq_len} is too small for mode {mode!r} (need >= {1 + (mode == 'sliding')})")
+    if mode == "sliding" and (stride is None or not 1 <= stride <= seq_len - 1):
+        raise LitPplError(f"eval.stride={stride} must be in [1, seq_len - 1 = {seq_len - 1}] for sliding mode")
+    if len(lengths) == 0 or (lengths < 1).any():
+        bad = np.flatnonzero(lengths < 1)
+        raise LitPplError(f"documents {bad[:5].tolist()} have no tokens; every document needs at least one")
+    words = np.zeros_like(lengths) if doc_words is None else np.asarray(doc_words, dtype=np.int64)
+    nbytes = np.zeros_like(lengths) if doc_bytes is None else np.asarray(doc_bytes, dtype=np.int64)
+    offsets = doc_offsets(lengths)
+
+    if mode == "block":
+        total = int(offsets[-1] + lengths[-1] + 1)
+        start = np.arange(0, total - 1, seq_len, dtype=np.int64)
+        end = np.minimum(start + seq_len, total - 1)
+        owner = (offsets + 1 - 1) // seq_len  # block scoring each document's first token
+        counts = [
+            np.bincount(owner, weights=v, minlength=len(start)).astype(np.int64)
+            for v in (np.ones_like(lengths), words, nbytes)
+        ]
+        return Windows(start, end, start + 1, *counts)
+
+    cut = _rolling(offsets, lengths, seq_len) if mode == "rolling" else _sliding(offsets, lengths, seq_len, stride)
+    start, end, score_from, per_doc = cut
+    firsts = np.concatenate([[0], np.cumsum(per_doc)[:-1]]).astype(np.int64)  # each document's first window
+    counts = []
+    for v in (np.ones_like(lengths), words, nbytes):
+        c = np.zeros(len(start), dtype=np.int64)
+        c[firsts] = v
+        counts.append(c)
+    return Windows(start, end, score_from, *counts)

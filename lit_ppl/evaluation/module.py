@@ -1,0 +1,295 @@
+"""The LightningModule: score every batch's tokens, accumulate them in the float64 metric, sync once."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torchmetrics import Metric
+
+from lit_ppl.data.batch_plan import ScorerProbe
+from lit_ppl.errors import LitPplError
+from lit_ppl.metrics.perplexity import NLLBreakdown, Perplexity
+from lit_ppl.model.scorer import TokenScorer, check_scorer
+from lit_ppl.model.spec import ModelSpec, key_problem
+from lit_ppl.parallel.layout import Layout
+from lit_ppl.parallel.ranks import check_peers, control_group
+from lit_ppl.parallel.sharding import (
+    device_mesh,
+    fsdp_mesh,
+    fully_shard_blocks,
+    load_from_rank0,
+    materialize,
+    shard_quantized_rows,
+    tp_group,
+    unloaded,
+    weight_bytes,
+)
+from lit_ppl.parallel.tensor_parallel import parallelize
+from lit_ppl.runtime.memory import keep_freed_memory_in_heap, rank_memory, rank_peak_memory
+
+# Weights are loaded directly in the dtype a "*-true" precision computes in (a 70B checkpoint must not
+# pass through float32 first); mixed precisions keep float32 weights and autocast.
+LOAD_DTYPE = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+
+
+def _to_host(value: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    return [v.detach().cpu().clone() for v in value]
+
+
+class PerplexityModule(L.LightningModule):
+    """Evaluates a causal LM's perplexity in ``trainer.validate``.
+
+    Args:
+        model: which LM to load; it is built in ``configure_model`` so that it can be split as it loads.
+        chunk_size: scored positions per output-head chunk (bounds the logits memory).
+        layout: how the ranks split the model and the data (:mod:`lit_ppl.parallel.layout`); ``None``: one process.
+        quantize: a callable ``quantize(lm) -> report`` applied once the model holds its weights (each rank's
+            tensor-parallel slices) and before FSDP shards it; the report's ``quantized_params`` (names in ``lm``)
+            are kept out of DDP/FSDP wrapping, whose hooks cannot handle torchao's quantized tensors.
+        timeout_s: how long the final synchronisation waits for every rank before naming the missing ones.
+        compile_decoder: ``torch.compile`` the decoder (:mod:`lit_ppl.model.compiling`).
+        deterministic: accumulate in exact fixed-point sums (:mod:`lit_ppl.metrics.exact`), the same at any world size.
+        breakdown: also sum the NLL per document and per window position (:class:`NLLBreakdown`: ``per_document``
+            and ``result["nll_by_position"]``); off, the step loop skips its scatter-adds.
+    """
+
+    scorer_cls: type[TokenScorer] = TokenScorer
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        chunk_size: int = 1024,
+        layout: Layout | None = None,
+        quantize: Any = None,
+        timeout_s: float = 300.0,
+        compile_decoder: bool = False,
+        deterministic: bool = False,
+        breakdown: bool = False,
+    ) -> None:
+        super().__init__()
+        self.deterministic, self.want_breakdown = deterministic, breakdown
+        self.compile_decoder = compile_decoder
+        self.spec, self.chunk_size, self.layout, self.quantize = model, chunk_size, layout, quantize
+        self.mesh: Any = None  # the layout's device mesh, built once in configure_model
+        self.accumulate = True  # False on tensor-parallel ranks other than the first: their NLLs are its copies
+        self.timeout_s = timeout_s
+        self.quant_report: Any = None
+        self.scorer: TokenScorer | None = None
+        self.metric = Perplexity(exact=deterministic)
+        self.breakdown: NLLBreakdown | None = None  # with breakdown=True: sized in setup(), once the corpus is known
+        self.per_document: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, nll sum) per document
+        self.result: dict[str, Any] = {}
+        self.scorer_check: dict[str, float] = {}  # the self-check of the scoring path (lit_ppl.model.scorer)
+        self.tokens_seen = 0  # host-side count for tokens/s: from shapes, no device sync
+        self.steps = 0
+
+    def configure_model(self) -> None:
+        if self.scorer is not None:
+            return
+        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+        dtype = LOAD_DTYPE.get(precision, torch.float32)
+        layout = self.layout
+        if layout is not None and layout.sharded:
+            self.mesh = device_mesh(layout, self.device.type)
+            self.accumulate = layout.tp_rank(self.global_rank) == 0
+        self.scorer, self.quant_report = self.build_scorer(self.spec, self.quantize, dtype)
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        """All of them: Lightning's DDP would broadcast rank 0's weights at validation start.
+
+        Every rank read the same checkpoint (or drew the same seeded weights) and quantized ones are compared by hash
+        (:func:`lit_ppl.quant.consistency.check_consistency`); the broadcast costs a copy of every weight on each rank
+        (benchmarks/README.md).
+        """
+        names = [n for n, _ in self.named_parameters(remove_duplicate=False)]
+        return names + [n for n, _ in self.named_buffers(remove_duplicate=False)]
+
+    def build_scorer(self, spec: ModelSpec, quantize: Any, dtype: torch.dtype) -> Any:
+        """The one pipeline for every model of the run: build → split (TP) → load → quantize → shard (FSDP).
+
+        Returns ``(scorer, quantization report or None)``. Split layouts build on the meta device, so that no rank
+        but the reader ever holds the whole model (:mod:`lit_ppl.parallel.sharding`); the built-in model is built whole
+        (it is small and seeded alike on every rank) and split the same way.
+        """
+        layout, cls = self.layout, self.scorer_cls
+        if layout is None or not layout.sharded:
+            lm = spec.build(dtype, self.device)
+            report = quantize(lm) if quantize is not None else None
+            return self._finish(cls(lm, self.chunk_size)), report
+        tp = tp_group(self.mesh, layout)
+        lm = spec.build(dtype) if spec.is_builtin else spec.build_empty(dtype)
+        expected = set(lm.state_dict())
+        splits = parallelize(lm, tp) if tp is not None else {}
+        scorer = cls(lm, self.chunk_size, tp)
+        dp_mesh = fsdp_mesh(self.mesh, layout)
+        if quantize is None and dp_mesh is not None:
+            fully_shard_blocks(scorer, dp_mesh, set())
+        if not spec.is_builtin:
+            materialize(scorer, self.device)
+            self._load(spec, lm, dtype, expected, splits, tp)
+        report = quantize(lm, tp=layout.tp) if quantize is not None else None
+        if quantize is not None and dp_mesh is not None:
+            # FSDP2 cannot hold torchao's tensors: their rows are sharded by hand, the rest by fully_shard.
+            shard_quantized_rows(lm, report.quantized_params, self.mesh["dp_shard"].get_group())
+            quantized = {p for p in lm.parameters() if hasattr(p, "__tensor_flatten__")}
+            fully_shard_blocks(scorer, dp_mesh, quantized)
+        return self._finish(scorer), report
+
+    def _load(
+        self, spec: ModelSpec, lm: nn.Module, dtype: torch.dtype, expected: set[str], splits: Any, tp: Any
+    ) -> None:
+        """Rank 0 reads the checkpoint as ``from_pretrained`` does, checks that its tensors are exactly the model's
+        and broadcasts them; :func:`lit_ppl.parallel.sharding.unloaded` proves no parameter was left NaN."""
+        full: dict[str, torch.Tensor] = {}
+        problem = None
+        if self.global_rank == 0:
+            try:
+                full = spec.full_state_dict(dtype)
+                problem = key_problem(spec.path, expected - set(full), set(full) - expected)
+            except LitPplError as err:  # told to every rank below, so that none waits for a broadcast
+                problem = str(err)
+        problem = self.trainer.strategy.broadcast(problem)
+        if problem:
+            raise LitPplError(problem)
+        load_from_rank0(lm, full, splits, tp)
+        missing = unloaded(lm)
+        if missing:
+            raise LitPplError(
+                f"model.path={spec.path!r}: {len(missing)} parameters hold NaN after sharded loading "
+                f"({', '.join(missing[:5])}): the checkpoint holds NaN there, or no tensor reached them (a bug in "
+                "lit-ppl: please report it)"
+            )
+
+    def _finish(self, scorer: TokenScorer) -> TokenScorer:
+        if self.compile_decoder:
+            from lit_ppl.model.compiling import compile_decoder
+
+            compile_decoder(scorer)
+        return scorer
+
+    def setup(self, stage: str) -> None:
+        dm = self.trainer.datamodule
+        if not self.want_breakdown or self.breakdown is not None:
+            return
+        if dm is not None and getattr(dm, "corpus", None) is not None:
+            self.breakdown = NLLBreakdown(len(dm.corpus.doc_lengths), dm.seq_len, exact=self.deterministic)
+
+    def scorer_probe(self) -> ScorerProbe:
+        """The built scorer and how this run steps it: what the batch plan times (``batch_size=auto``, a measured
+        balance)."""
+        trainer = self.trainer
+        context = trainer.precision_plugin.val_step_context
+        return ScorerProbe(self.scorer, self.spec.path, str(trainer.precision), self.chunk_size, context, self.device)
+
+    def holds_quantized_weights(self) -> bool:
+        """Whether any model of the run gets torchao's weights (which cannot be indexed under inference_mode)."""
+        return self.quantize is not None
+
+    def result_fields(self) -> dict[str, Any]:
+        """What this module contributes to ``results.json`` beside the metric's statistics: its quantization."""
+        return {"quant": self.quant_report.to_dict() if self.quant_report is not None else None}
+
+    def metrics(self) -> dict[str, Metric]:
+        """Every torchmetrics state of the module: what syncs across ranks and what a resume restores."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, Metric)}
+
+    def on_validation_start(self) -> None:
+        # Precision plugins cast the whole module, metric states included; restore float64.
+        for metric in self.metrics().values():
+            metric.set_dtype(torch.float64)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_heap()  # no page faults per step (benchmarks/README.md)
+        self._control = control_group()
+        self.scorer_check = check_scorer(self.scorer, self.device)
+        self._first_bad_step = torch.tensor(-1, device=self.device)
+        self._t0 = time.perf_counter()
+
+    def score(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Per-token NLL of the batch's scored tokens; subclasses may gather more statistics on the way."""
+        return self.scorer(batch["input_ids"], batch["score_index"], batch["targets"])
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        nll = self.score(batch)
+        if self.accumulate:  # else a tensor-parallel copy of the first rank's NLLs: counted there, once
+            finite = torch.isfinite(nll)  # once per step: the metric's non-finite count and the first bad step
+            self.metric.update(nll, batch["words"], batch["bytes"], batch["documents"], finite=finite)
+            if self.breakdown is not None:
+                self.breakdown.update(nll, batch["doc_ids"], batch["score_index"] % batch["input_ids"].shape[1])
+            # Remember the first step with a non-finite loss without a host sync in the loop.
+            bad = ~finite.all()
+            self._first_bad_step = torch.where(bad & (self._first_bad_step < 0), batch_idx, self._first_bad_step)
+        self.tokens_seen += batch["targets"].numel()
+        self.steps += 1
+
+    def progress_state(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue bit-identically (host copies; called between steps)."""
+        return {
+            "metrics": {
+                name: {k: _to_host(v) for k, v in metric.metric_state.items()}
+                for name, metric in self.metrics().items()
+            },
+            "tokens_seen": self.tokens_seen,
+            "steps": self.steps,
+            "first_bad_step": int(self._first_bad_step),
+        }
+
+    def load_progress_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`progress_state` (after the precision plugin and ``set_dtype`` have run)."""
+        metrics = self.metrics()
+        for name, states in state["metrics"].items():
+            for key, value in states.items():
+                current = getattr(metrics[name], key)  # every state is a fixed-size tensor
+                setattr(metrics[name], key, value.to(device=current.device, dtype=current.dtype))
+        self.tokens_seen, self.steps = state["tokens_seen"], state["steps"]
+        self._first_bad_step = torch.tensor(state["first_bad_step"], device=self.device)
+
+    def on_validation_epoch_end(self) -> None:
+        seconds = time.perf_counter() - self._t0
+        t_sync = time.perf_counter()
+        check_peers(self._control, self.timeout_s, "the final metric sync")
+        stats = self.metric.compute()  # the one cross-rank synchronisation of the metric
+        sync_s = time.perf_counter() - t_sync
+        mine = [self.tokens_seen, self.steps, int(self._first_bad_step), *rank_peak_memory(self.device)]
+        mine.append(weight_bytes(self.scorer))
+        per_rank = self.all_gather(torch.tensor(mine, device=self.device)).reshape(-1, 6)
+        if int(stats["nonfinite"]) > 0:
+            first = {r: int(s) for r, s in enumerate(per_rank[:, 2].tolist()) if s >= 0}
+            precision = str(self.trainer.precision)
+            hint = (
+                "the model itself produces them: check its weights"
+                if precision in ("32-true", "64-true", "32", "64")
+                else f"the model overflows in precision={precision}: try 32-true or bf16-mixed"
+            )
+            raise FloatingPointError(
+                f"{int(stats['nonfinite'])} tokens had a NaN/inf loss (first at batch {first} by rank); {hint}"
+            )
+        self.result = {
+            **{k: v.item() for k, v in stats.items() if k != "nonfinite"},
+            "seconds": seconds,
+            "sync_seconds": sync_s,
+            "rank_tokens": per_rank[:, 0].tolist(),
+            "rank_steps": per_rank[:, 1].tolist(),
+            **rank_memory(per_rank[:, 3].tolist(), per_rank[:, 4].tolist()),
+            "rank_weight_bytes": per_rank[:, 5].tolist(),
+            "scorer_check": self.scorer_check,
+        }
+        for k in ("tokens", "words", "bytes", "documents"):
+            self.result[k] = round(self.result[k])
+        if self.breakdown is not None:
+            # Synced like the metric. torchmetrics squeezes a one-element result to 0-d (a one-document corpus):
+            # reshape, so that the per-document table still has one row per document.
+            parts = {k: v.cpu().reshape(-1) for k, v in self.breakdown.compute().items()}
+            self.result["nll_by_position"] = {
+                "sum": parts["pos_sum"].tolist(),
+                "sum_sq": parts["pos_sum_sq"].tolist(),
+                "count": parts["pos_count"].tolist(),
+            }
+            self.per_document = (parts["doc_tokens"], parts["doc_nll_sum"])
+        self.log_dict({"ppl": stats["ppl"].float(), "nll_mean": stats["nll_mean"].float()}, sync_dist=False)

@@ -1,0 +1,196 @@
+"""Preemption-safe evaluation: progress saved atomically, resumed bit-identically.
+
+Every ``save_every`` steps each rank writes its metric states and counters to
+``output_dir/progress/rank{R}-step{S}.pt`` (temp file, then rename; the last two kept). Every ``check_every``
+steps all ranks agree, with one tiny all-reduce, whether any of them got SIGUSR1 or SIGTERM (Slurm's
+pre-timeout signal reaches every task; a plain ``kill`` reaches one): if so, all save at that same step and
+stop with :class:`Preempted`. Under Slurm the entry point then requeues the job.
+
+A rerun with the same ``output_dir`` restores the newest step that *every* rank saved (FSDP ranks must run
+the same steps) and skips the batches done. The float64 states are restored exactly and the remaining
+batches are the same batches, so the result is bit-identical to an uninterrupted run. Progress of another
+configuration, world size or dataset is refused with a message, never mixed in.
+
+The batches are the same only under the same *batch plan*: the windows per batch and the ranks' weights, saved
+with the progress. The rank weights are restored (a measured balance is not measured again). Under
+``batch_size=auto`` the probe only checks that the saved size still fits (its ``max_batch`` is capped at it), so
+that a requeue onto a node with more memory continues exactly; one where the saved size no longer fits (or a run
+given another number) is refused with one line before it scores a batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from lit_ppl.data.batch_plan import BatchPlan
+from lit_ppl.errors import LitPplError
+from lit_ppl.parallel.ranks import control_group, peers_alive
+from lit_ppl.runtime.files import atomic_path
+
+_FILE = re.compile(r"rank(\d+)-step(\d+)\.pt$")
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after saving its progress; rerun with the same output_dir to resume."""
+
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again" — the progress is saved
+_signalled = False
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    # Only a flag: saving inside a signal handler could interrupt a half-written tensor.
+    global _signalled
+    _signalled = True
+
+
+def install_signal_handlers() -> None:
+    """Catch SIGUSR1/SIGTERM from process start: one that arrives before the handler would kill the job."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _on_signal)
+
+
+def requeue_if_slurm() -> None:
+    """Under Slurm, rank 0 puts the job back in the queue; the rerun resumes from the saved progress."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and int(os.environ.get("SLURM_PROCID", "0")) == 0:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"lit-ppl: scontrol requeue {job} failed: {done.stderr.strip()}", file=sys.stderr)
+
+
+def fingerprint(config: dict[str, Any], windows_digest: str) -> str:
+    """What must match for progress to be resumable: the configuration and the exact windows."""
+    blob = json.dumps({"config": config, "windows": windows_digest}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+class ResumeCallback(Callback):
+    """Saves and restores the evaluation's progress (see the module docstring).
+
+    Args:
+        directory: where progress files go (``output_dir/progress``).
+        config: the run's resolved configuration minus what may change between attempts (paths, timeouts).
+        plan: the run's batch plan, which the progress files save and a resume restores.
+        save_every: steps between periodic saves (0: save only on a signal).
+        check_every: steps between the cross-rank checks for a stop signal.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        config: dict[str, Any],
+        plan: BatchPlan,
+        save_every: int = 200,
+        check_every: int = 10,
+    ) -> None:
+        self.dir = Path(directory)
+        self.config, self.save_every, self.check_every = config, save_every, max(1, check_every)
+        self.plan = plan
+        self.start_step = 0
+        self._restored: dict[str, Any] | None = None
+
+    # -- files ---------------------------------------------------------------------------------------------
+    def _files(self, rank: int) -> dict[int, Path]:
+        out = {}
+        for path in self.dir.glob(f"rank{rank}-step*.pt"):
+            m = _FILE.search(path.name)
+            if m:
+                out[int(m.group(2))] = path
+        return out
+
+    def _save(self, trainer: L.Trainer, module: L.LightningModule, step: int) -> None:
+        rank = trainer.global_rank
+        self.dir.mkdir(parents=True, exist_ok=True)
+        state = {
+            "fingerprint": self.fp,
+            "world_size": trainer.world_size,
+            "step": step,
+            "plan": self.plan.saved(),
+            **module.progress_state(),
+        }
+        with atomic_path(self.dir / f"rank{rank}-step{step}.pt") as tmp:
+            torch.save(state, tmp)
+        for old in sorted(self._files(rank))[:-2]:
+            self._files(rank)[old].unlink(missing_ok=True)
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        dm = trainer.datamodule  # set up already: Lightning runs the datamodule's setup before the callbacks'
+        w = dm.windows
+        # The token store's key names the files (path, size, mtime) and the tokenizer, wherever the cache is.
+        data = hashlib.sha256((dm.store.name if dm.store is not None else "").encode())
+        for a in (w.start, w.end, w.score_from):
+            data.update(memoryview(np.ascontiguousarray(a)))  # no joined copy: 24 bytes per window
+        self.fp = fingerprint({**self.config, "world_size": trainer.world_size}, data.hexdigest()[:16])
+        mine = self._files(trainer.global_rank)
+        group = control_group()
+        everyone = [None] * trainer.world_size
+        if group is not None:
+            with peers_alive("the resume check"):
+                dist.all_gather_object(everyone, sorted(mine), group=group)
+        else:
+            everyone = [sorted(mine)]
+        common = set(everyone[0]).intersection(*everyone[1:]) if everyone else set()
+        if not common:
+            return
+        step = max(common)
+        state = torch.load(mine[step], map_location="cpu", weights_only=True)
+        if state["fingerprint"] != self.fp or state["world_size"] != trainer.world_size:
+            raise LitPplError(
+                f"{self.dir} holds progress of a different run (configuration, data or world size "
+                f"{state['world_size']} differ); use another output_dir or delete {self.dir} to start over"
+            )
+        self.plan.restore(state["plan"], step, self.dir)
+        self.start_step, self._restored = step, state
+        if trainer.is_global_zero:
+            print(f"lit-ppl: resuming from step {step} (progress in {self.dir})", file=sys.stderr)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The first hook after val_dataloader resolved the plan, and before any step.
+        if self._restored is not None:
+            self.plan.check(self._restored["plan"], self.plan.saved(), self.dir)
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._restored is not None:
+            pl_module.load_progress_state(self._restored)
+        # Lightning's own signal connector (SIGTERM; SIGUSR1 under Slurm) was set up after ours: take over.
+        install_signal_handlers()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        step = self.start_step + batch_idx + 1
+        if step % self.check_every == 0 and self._any_rank_stopping(pl_module):
+            self._save(trainer, pl_module, step)
+            if (group := control_group()) is not None:
+                with peers_alive("the preemption save"):
+                    dist.barrier(group=group)  # every rank's file is on disk before anyone exits
+            raise Preempted(f"stopped by a signal at step {step}; progress saved in {self.dir}")
+        if self.save_every and step % self.save_every == 0:
+            self._save(trainer, pl_module, step)
+
+    def _any_rank_stopping(self, pl_module: L.LightningModule) -> bool:
+        flag = torch.tensor([float(_signalled)])  # on the CPU: this all-reduce never syncs a GPU
+        if (group := control_group()) is not None:
+            with peers_alive("the stop-signal check"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The run is complete and its results are in memory: progress files would only mislead a rerun.
+        for path in self._files(trainer.global_rank).values():
+            path.unlink(missing_ok=True)

@@ -1,0 +1,74 @@
+"""Per-token negative log-likelihood without materialising the full logits.
+
+A 70B model with a 128k vocabulary turns one batch of 4 × 2048 tokens into 4 GiB of float32 logits; the
+loss needs none of them at once. We run the decoder to hidden states, gather only the positions that are
+scored, and apply the output head plus the cross-entropy chunk by chunk, upcasting each chunk to float32.
+The cross-entropy is computed in the chunk's own memory: ``F.cross_entropy`` would allocate a second
+``(chunk, vocab)`` float32 tensor for its log-softmax, doubling the loss path's peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lit_ppl.errors import LitPplError
+
+Head = Callable[[torch.Tensor], torch.Tensor]
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def chunked_nll(
+    hidden: torch.Tensor, targets: torch.Tensor, head: Head, chunk_size: int = 1024, loss: Loss | None = None
+) -> torch.Tensor:
+    """Negative log-likelihood of ``targets`` given ``hidden`` states, computed ``chunk_size`` rows at a time.
+
+    Args:
+        hidden: ``(n, d)`` hidden states of the positions to score, any floating dtype.
+        targets: ``(n,)`` token ids those positions predict.
+        head: maps ``(m, d)`` hidden states to ``(m, vocab)`` logits (the model's output head).
+        chunk_size: rows per chunk; peak extra memory is ``chunk_size × vocab`` float32 values.
+        loss: ``loss(logits, targets)``, free to overwrite ``logits``; :func:`cross_entropy_` by default (a
+            vocabulary-parallel head passes :func:`lit_ppl.parallel.tensor_parallel.vocab_parallel_cross_entropy_`).
+
+    Returns:
+        ``(n,)`` float32 (or float64 for float64 inputs) per-token NLL in nats.
+
+    Examples:
+        >>> import torch
+        >>> head = torch.nn.Linear(4, 10, bias=False)
+        >>> h, y = torch.randn(5, 4), torch.tensor([1, 2, 3, 4, 5])
+        >>> full = torch.nn.functional.cross_entropy(head(h), y, reduction="none")
+        >>> torch.allclose(chunked_nll(h, y, head, chunk_size=2), full)
+        True
+    """
+    if chunk_size < 1:
+        raise LitPplError(f"chunk_size must be >= 1, got {chunk_size}")
+    loss = loss or cross_entropy_
+    out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    out = torch.empty(targets.shape[0], dtype=out_dtype, device=hidden.device)
+    for start in range(0, targets.shape[0], chunk_size):
+        end = start + chunk_size
+        logits = head(hidden[start:end]).to(out_dtype)  # (m, vocab), never wider than one chunk
+        out[start:end] = loss(logits, targets[start:end])
+        del logits  # else this chunk's logits stay alive while the next chunk's are computed: twice the peak
+    return out
+
+
+def cross_entropy_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``F.cross_entropy(logits, targets, reduction="none")`` without a second ``logits``-sized tensor.
+
+    ``-log softmax(x)[t] = log Σ exp(x - max x) + max x - x[t]``, the same formula ``cross_entropy`` evaluates
+    (a row with a NaN or an infinite maximum gives NaN in both), computed in place: ``logits`` is overwritten.
+
+    Examples:
+        >>> import torch
+        >>> x, y = torch.randn(3, 5), torch.tensor([0, 4, 2])
+        >>> torch.allclose(cross_entropy_(x.clone(), y), torch.nn.functional.cross_entropy(x, y, reduction="none"))
+        True
+    """
+    picked = logits.gather(1, targets[:, None]).squeeze(1)
+    maxes = logits.amax(dim=1)
+    logits.sub_(maxes[:, None]).exp_()
+    return logits.sum(dim=1).log_().add_(maxes).sub_(picked)

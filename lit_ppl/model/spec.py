@@ -1,0 +1,257 @@
+"""Causal LMs: a built-in random-init Llama for offline runs, or any Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_ppl.errors import LitPplError
+from lit_ppl.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from lit_ppl.parallel.ranks import first_line
+
+BUILTIN = "builtin"
+
+
+def hub_unreachable(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) says the hub could not be reached or offline mode forbade it."""
+    seen: BaseException | None = err
+    while seen is not None:
+        names = {c.__name__ for c in type(seen).__mro__}
+        if names & {"LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectionError", "ConnectError"}:
+            return True
+        if "couldn't connect to" in str(seen).lower():
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+@dataclass
+class ModelSpec:
+    """Which causal LM to evaluate.
+
+    Attributes:
+        path: ``builtin`` (no files: byte tokenizer and a seeded random Llama), a local Hugging Face
+            checkpoint directory, or a hub id (needs the hub or its cache).
+        trust_remote_code: run the checkpoint's own Python code; off unless you trust its source.
+        revision: hub revision (branch, tag or commit) for hub ids.
+        seed: initialisation seed of the built-in model.
+        hidden_size: built-in model width.
+        num_layers: built-in model depth.
+        num_heads: built-in model attention heads.
+        max_positions: built-in model context length.
+    """
+
+    path: str = BUILTIN
+    trust_remote_code: bool = False
+    revision: str | None = None
+    seed: int = 0
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    max_positions: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.is_builtin:
+            return
+        # Hub ids are "name" or "org/name"; anything else is meant as a local directory.
+        looks_local = self.path.startswith(("/", ".", "~")) or self.path.count("/") > 1
+        local = Path(self.path).expanduser()
+        if looks_local and not local.exists():
+            raise FileNotFoundError(
+                f"model.path={self.path!r} does not exist; give a Hugging Face checkpoint directory, a hub id "
+                f"(org/name) or '{BUILTIN}'"
+            )
+        if local.is_dir() and not (local / "config.json").is_file():
+            raise LitPplError(
+                f"model.path={self.path!r} is a directory without config.json, so not a Hugging Face causal LM "
+                "checkpoint (expected config.json plus *.safetensors weights)"
+            )
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.path == BUILTIN
+
+    def _from_pretrained(self, auto_class: type, problem: str, **kwargs: Any) -> Any:
+        """``auto_class.from_pretrained(path)``, its failure reported as one line naming ``model.path``."""
+        try:
+            return auto_class.from_pretrained(
+                str(Path(self.path).expanduser()),
+                trust_remote_code=self.trust_remote_code,
+                revision=self.revision,
+                **kwargs,
+            )
+        except (OSError, ValueError, KeyError) as err:
+            if not Path(self.path).expanduser().is_dir() and hub_unreachable(err):
+                raise LitPplError(
+                    f"model.path={self.path!r} is not a local directory, not in the Hugging Face cache, and the hub "
+                    f"cannot be reached; run `python -m lit_ppl.fetch model.path={self.path}` where the hub is "
+                    "reachable (with HF_HOME on storage these nodes read), or give a local checkpoint directory"
+                ) from None
+            raise LitPplError(f"model.path={self.path!r} {problem}: {first_line(err)}") from err
+
+    def download(self) -> str | None:
+        """Fetch a hub id's files into the Hugging Face cache (``None`` for the built-in model or a directory)."""
+        if self.is_builtin or Path(self.path).expanduser().is_dir():
+            return None
+        from huggingface_hub import HfApi, snapshot_download
+
+        names = HfApi().list_repo_files(self.path, revision=self.revision)
+        # The weights once, in the format from_pretrained prefers; not the original/ consolidated copies.
+        ignore = ["original/*", "*.pth", "*.msgpack", "*.h5", "*.ot", "*.onnx", "*.gguf", "*.tflite"]
+        if any(n.endswith(".safetensors") for n in names):
+            ignore.append("*.bin")
+        return snapshot_download(self.path, revision=self.revision, ignore_patterns=ignore)
+
+    def limits(self) -> tuple[int, int | None]:
+        """``(vocab_size, max_positions)`` from the model's config, without loading its weights."""
+        if self.is_builtin:
+            return ByteTokenizer.vocab_size, self.max_positions
+        from transformers import AutoConfig
+
+        cfg = self._from_pretrained(AutoConfig, "has no config transformers can read")
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if cfg.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not self.trust_remote_code:
+            raise LitPplError(
+                f"model.path={self.path!r} is a {cfg.model_type!r} model, not a causal LM that "
+                "AutoModelForCausalLM can load (e.g. llama, mistral, qwen2, gpt2)"
+            )
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return cfg.vocab_size, getattr(cfg, "max_position_embeddings", None)
+
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer that goes with this model."""
+        if self.is_builtin:
+            return ByteTokenizer()
+        from transformers import AutoTokenizer
+
+        return HFTokenizer(self._from_pretrained(AutoTokenizer, "has no tokenizer transformers can load"))
+
+    def build_empty(self, dtype: torch.dtype) -> nn.Module:
+        """The model with parameters on the meta device (no memory) and real buffers, in eval mode."""
+        from transformers import AutoModelForCausalLM
+
+        cfg = self.config()
+        with parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=self.trust_remote_code)
+        return model.eval().requires_grad_(False)
+
+    def full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Exactly the tensors ``from_pretrained`` loads, keyed as the model names them, in host memory.
+
+        transformers' own loading renames the checkpoint's keys (GPT-NeoX's ``embed_out``), fuses per-expert
+        tensors into the 3D expert parameters of mixture-of-experts layers and ties weights; reading the
+        safetensors files directly would bypass all of it.
+        """
+        with torch.device("cpu"):  # never the whole model on one accelerator
+            return self.build(dtype).state_dict()
+
+    def config(self) -> Any:
+        """The model's transformers config (the built-in model's, or the checkpoint's), without its weights."""
+        from transformers import AutoConfig, LlamaConfig
+
+        if not self.is_builtin:
+            return self._from_pretrained(AutoConfig, "has no config transformers can read")
+        return LlamaConfig(
+            vocab_size=ByteTokenizer.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=4 * self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_heads,
+            max_position_embeddings=self.max_positions,
+            bos_token_id=ByteTokenizer.bos_id,
+            eos_token_id=ByteTokenizer.eos_id,
+            tie_word_embeddings=True,
+        )
+
+    def build(self, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> nn.Module:
+        """Instantiate the model in ``dtype`` on ``device`` (default: the current default device), in eval mode.
+
+        A checkpoint is read straight to ``device`` (``device_map``): never a host copy per rank on the way to its
+        GPU, which for eight ranks of a 70B model would be over a terabyte of RAM.
+        """
+        from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+        if self.is_builtin:
+            config = self.config()
+            # Seeded locally, and always drawn in float32 then cast, so the same seed gives the same weights
+            # on every rank, in every run and under every precision (a "*-true" plugin changes the default
+            # dtype while the model is built, and a float64 draw is a different draw).
+            default_dtype = torch.get_default_dtype()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                torch.set_default_dtype(torch.float32)
+                try:
+                    model = LlamaForCausalLM(config)
+                finally:
+                    torch.set_default_dtype(default_dtype)
+            model = model.to(dtype)
+        else:
+            placement = {} if device is None else {"device_map": {"": str(device)}}
+            model, info = self._from_pretrained(
+                AutoModelForCausalLM,
+                "is not a causal LM transformers can load",
+                dtype=dtype,
+                output_loading_info=True,
+                **placement,
+            )
+            self.check_loading(info)
+        return model.eval().requires_grad_(False)
+
+    def check_loading(self, info: dict[str, Any]) -> None:
+        """Refuse a checkpoint that does not provide exactly the model's tensors (``from_pretrained``'s report).
+
+        transformers initialises a missing tensor at random and drops an unexpected one, with a log line at
+        most: either way the perplexity would be that of another model.
+        """
+        mismatched = [k for k, *_ in info.get("mismatched_keys") or []]
+        problem = key_problem(self.path, info.get("missing_keys") or [], info.get("unexpected_keys") or [], mismatched)
+        if problem:
+            raise LitPplError(problem)
+
+
+def key_problem(
+    path: str, missing: Iterable[str], unexpected: Iterable[str], mismatched: Iterable[str] = ()
+) -> str | None:
+    """One line naming what a checkpoint lacks, has in excess or has in the wrong shape (``None`` if nothing)."""
+    for keys, what in (
+        (missing, "lacks"),
+        (unexpected, "has tensors the model does not use:"),
+        (mismatched, "has tensors of the wrong shape:"),
+    ):
+        keys = sorted(keys)
+        if keys:
+            more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+            return (
+                f"model.path={path!r}: the checkpoint {what} {', '.join(keys[:5])}{more}; give a complete checkpoint "
+                "of this architecture"
+            )
+    return None
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device while buffers (rotary frequencies, ...) are computed for real.
+
+    Sharded evaluation then materialises only each rank's shard; the buffers, which no checkpoint holds, keep
+    the values the model's own ``__init__`` computed.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original

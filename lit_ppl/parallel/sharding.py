@@ -1,0 +1,238 @@
+"""Split a model over the layout's mesh and fill each rank's share from one copy of the checkpoint.
+
+The mesh is built once per run, ``(dp_replicate, dp_shard, tp)`` with tensor parallelism innermost (so a
+tensor-parallel group is consecutive ranks: one node). Tensor parallelism splits layers into plain local shards
+(:mod:`lit_ppl.parallel.tensor_parallel`); FSDP2's ``fully_shard`` then shards what each rank holds over the
+data-parallel
+shard dimension (replicating over ``dp_replicate``: HSDP).
+
+Loading never puts the whole model on a rank other than the reader: parameters start on the meta device, are
+split, materialised empty, and rank 0 (which reads the checkpoint as ``from_pretrained`` does, with its key
+renames and fused experts) broadcasts one tensor at a time; each rank keeps its slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from lit_ppl.errors import LitPplError
+from lit_ppl.parallel.layout import Layout
+from lit_ppl.parallel.tensor_parallel import Group, all_gather_uneven, split_sizes
+from lit_ppl.runtime.memory import tensor_bytes
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+BROADCAST_BYTES = 8 * 2**20  # a loaded tensor crosses in blocks of rows of this size: the receivers' transient
+
+
+def device_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    """The run's one mesh (every rank calls this at the same point: it creates process groups)."""
+    return init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard, layout.tp), mesh_dim_names=MESH_DIMS)
+
+
+def tp_group(mesh: DeviceMesh | None, layout: Layout) -> Group | None:
+    if mesh is None or layout.tp == 1:
+        return None
+    sub = mesh["tp"]
+    return Group(sub.get_group(), sub.get_local_rank(), layout.tp)
+
+
+def fsdp_mesh(mesh: DeviceMesh | None, layout: Layout) -> DeviceMesh | None:
+    """The mesh FSDP2 shards over: ``dp_shard`` (1D), or ``dp_replicate × dp_shard`` (2D: HSDP)."""
+    if mesh is None or layout.dp_shard == 1:
+        return None
+    return mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def decoder_blocks(lm: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: Hugging Face names their classes in ``_no_split_modules``."""
+    names = set(getattr(lm, "_no_split_modules", None) or [])
+    blocks = [m for m in lm.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise LitPplError(f"{type(lm).__name__} declares no _no_split_modules; cannot find its decoder blocks")
+    return blocks
+
+
+def fully_shard_blocks(scorer: nn.Module, mesh: DeviceMesh, ignored: set[nn.Parameter]) -> None:
+    """``fully_shard`` every decoder block, then the scorer (whose root holds embeddings, norm and head).
+
+    ``ignored``: parameters FSDP2 cannot shard (torchao's quantized tensors lack ``aten.split``); they stay whole.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for block in decoder_blocks(scorer.lm):
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=ignored)
+    embed, head = scorer.lm.get_input_embeddings(), scorer.lm.get_output_embeddings()
+    if head is not None and head.weight is not embed.weight:
+        # Units of their own, as torchtitan shards them: with a large vocabulary they are the biggest tensors, and
+        # in the root they would stay gathered through the whole forward. The head is called once per chunk of
+        # positions: it stays gathered until the scorer has scored them all (TokenScorer.forward reshards it).
+        fully_shard(embed, mesh=mesh, reshard_after_forward=True, ignored_params=ignored)
+        fully_shard(head, mesh=mesh, reshard_after_forward=False, ignored_params=ignored)
+    fully_shard(scorer, mesh=mesh, reshard_after_forward=True, ignored_params=ignored)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly FSDP-sharded) tensor, sharing its memory."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Meta parameters → empty ones on ``device``, filled with NaN (so one that no tensor reaches cannot give a
+    number); the buffers, computed for real at build time, keep their values."""
+    buffers = {n: b.clone() for n, b in module.named_buffers()}
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in module.modules():
+        for name, param in owner.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((owner, name))
+    module.to_empty(device=device)
+    for (first, first_name), *others in (o for o in owners.values() if len(o) > 1):
+        for owner, name in others:  # to_empty gives each module its own tensor: tied weights are tied again
+            setattr(owner, name, getattr(first, first_name))
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            buffer.copy_(buffers[name])
+        for param in module.parameters():
+            local(param).fill_(float("nan"))
+
+
+def kept_region(
+    shape: tuple[int, ...], target: torch.Tensor, dim: int | None, tp: Group | None
+) -> tuple[list[int], list[int]]:
+    """``(start, size)`` per dim of the part of a full tensor of ``shape`` that ``target`` holds on this rank:
+    its tensor-parallel slice along ``dim``, then FSDP's shard of that slice."""
+    start, size = [0] * len(shape), list(shape)
+    if tp is not None and dim is not None:
+        sizes = split_sizes(shape[dim], tp.size)
+        start[dim], size[dim] = sum(sizes[: tp.rank]), sizes[tp.rank]
+    if isinstance(target, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        size, offset = compute_local_shape_and_global_offset(size, target.device_mesh, target.placements)
+        start = [s + o for s, o in zip(start, offset, strict=True)]
+    return start, list(size)
+
+
+def load_from_rank0(lm: nn.Module, full: dict[str, torch.Tensor], splits: dict[str, int], tp: Group | None) -> None:
+    """Fill ``lm``'s (split, possibly FSDP-sharded) tensors from rank 0's ``full`` state dict.
+
+    ``full`` is empty on the other ranks and consumed on rank 0. Tensors cross in blocks of rows of at most
+    :data:`BROADCAST_BYTES`, and each rank keeps the part of every block it holds (``splits``: name → the dim a
+    tensor-parallel layer splits): no rank but the reader ever holds more than its share plus one block.
+    """
+    targets = lm.state_dict(keep_vars=True)
+    shapes = [{k: (tuple(v.shape), v.dtype) for k, v in full.items()}]
+    dist.broadcast_object_list(shapes, src=0)
+    reader = dist.get_rank() == 0
+    with torch.no_grad():
+        for name in sorted(targets):
+            shape, dtype = shapes[0][name]
+            target = targets[name]
+            dest = local(target)
+            source = full.pop(name) if reader else None
+            if not shape:  # a scalar
+                value = source.to(dest.device) if reader else torch.empty((), dtype=dtype, device=dest.device)
+                dist.broadcast(value, src=0)
+                dest.copy_(value)
+                continue
+            start, size = kept_region(shape, target, splits.get(name), tp)
+            row_bytes = max(1, torch.Size(shape[1:]).numel() * dtype.itemsize)
+            step = max(1, BROADCAST_BYTES // row_bytes)
+            for r0 in range(0, shape[0], step):
+                r1 = min(r0 + step, shape[0])
+                if reader:
+                    block = source[r0:r1].to(dest.device).contiguous()
+                else:
+                    block = torch.empty((r1 - r0, *shape[1:]), dtype=dtype, device=dest.device)
+                dist.broadcast(block, src=0)
+                a, b = max(r0, start[0]), min(r1, start[0] + size[0])
+                if a < b:
+                    piece = block[a - r0 : b - r0]
+                    for d in range(1, len(shape)):
+                        piece = piece.narrow(d, start[d], size[d])
+                    dest[a - start[0] : b - start[0]].copy_(piece)
+            del source
+
+
+def unloaded(module: nn.Module) -> list[str]:
+    """Names of parameters still NaN on any rank (each rank checks its own shards; one gather)."""
+    names = [n for n, p in module.named_parameters() if bool(torch.isnan(local(p)).any())]
+    if dist.is_available() and dist.is_initialized():
+        gathered: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, names)
+        names = sorted({n for part in gathered for n in part or []})
+    return names
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of the weights this rank holds (its shards; a quantized tensor's packed data and scales)."""
+
+    seen: set[int] = set()
+    total = 0
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += tensor_bytes(local(p))
+    return total
+
+
+def _rows(t: torch.Tensor, rows: int, parts: int, index: int) -> torch.Tensor | None:
+    """Row block ``index`` of ``parts`` of a quantized weight's inner tensor, if it is laid out by output row."""
+    if t.dim() == 0 or t.shape[0] != rows:
+        return None
+    return t.tensor_split(parts, 0)[index].clone()
+
+
+class RowShard:
+    """Keep rows ``[rank]`` of a quantized weight; gather them back around the module's forward.
+
+    FSDP2 cannot shard torchao's tensors (they lack ``aten.split``), so without this every rank would hold every
+    quantized weight. A quantized weight is a tensor subclass around plain inner tensors (codes, scales, zero
+    points); those laid out by output row are split, the rest (shared metadata) kept whole. Splitting rows is
+    exact for every scheme here: per-row int8 scales and int4's groups along the input features stay whole.
+    """
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup) -> None:
+        self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        weight = module.weight
+        self.outer = tuple(weight.shape)
+        names, self.ctx = weight.__tensor_flatten__()
+        inner = {n: getattr(weight, n) for n in names}
+        self.split = {n: _rows(t, self.outer[0], self.size, self.rank) for n, t in inner.items()}
+        if any(t is None for n, t in self.split.items() if inner[n].dim() >= 2):
+            raise LitPplError(
+                f"{type(weight).__name__} packs its {self.outer} weight in a layout not split by output row; it cannot "
+                "be sharded across data-parallel ranks: use quant.backend=intx, or parallel.tp instead of fsdp"
+            )
+        self.whole = {n: t for n, t in inner.items() if self.split[n] is None}
+        self.cls = type(weight)
+        self.local = {n: t for n, t in self.split.items() if t is not None}
+        module._parameters["weight"] = nn.Parameter(self._build(self.local, local=True), requires_grad=False)
+        module.register_forward_pre_hook(self.gather)
+        module.register_forward_hook(self.release)
+
+    def _build(self, parts: dict[str, torch.Tensor], local: bool) -> torch.Tensor:
+        rows = next(iter(parts.values())).shape[0] if local else self.outer[0]
+        size = (rows, *self.outer[1:])
+        stride = tuple(torch.empty(size, device="meta").stride())
+        return self.cls.__tensor_unflatten__({**self.whole, **parts}, self.ctx, size, stride)
+
+    def gather(self, module: nn.Module, args: object) -> None:
+        sizes = split_sizes(self.outer[0], self.size)
+        full = {name: all_gather_uneven(t, 0, sizes, self.group) for name, t in self.local.items()}
+        module._parameters["weight"] = nn.Parameter(self._build(full, local=False), requires_grad=False)
+
+    def release(self, module: nn.Module, args: object, output: object) -> None:
+        module._parameters["weight"] = nn.Parameter(self._build(self.local, local=True), requires_grad=False)
+
+
+def shard_quantized_rows(lm: nn.Module, names: list[str], group: dist.ProcessGroup) -> None:
+    """Row-shard every quantized linear weight in ``names`` (``module.weight`` names) over ``group``."""
+    modules = dict(lm.named_modules())
+    for name in names:
+        owner = modules[name.removesuffix(".weight")]
+        if isinstance(owner, nn.Linear) and name.endswith(".weight"):
+            RowShard(owner, group)

@@ -1,0 +1,6 @@
+"""Weight quantization: the plan (schemes, rules, targets), applying torchao's configs, calibration text, AWQ and
+GPTQ statistics reduced across ranks, and the check that every rank holds the same quantized weights.
+
+Imports :mod:`lit_ppl.runtime`, :mod:`lit_ppl.config`, :mod:`lit_ppl.parallel`, :mod:`lit_ppl.model` and
+:mod:`lit_ppl.data` (calibration text goes through the token store); nothing above.
+"""

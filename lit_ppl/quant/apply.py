@@ -1,0 +1,273 @@
+"""Weight quantization with torchao's ``quantize_``: apply a plan, report what it did, keep ranks consistent.
+
+The plan (:mod:`lit_ppl.quant.plan`) decides, for every quantizable weight of the model (``nn.Linear``,
+``nn.Embedding`` and fused expert weights: :mod:`lit_ppl.quant.targets`), which scheme it gets (``none``,
+``int8``, ``int8dq``, ``int4`` with a group size) or why it gets none; :func:`quantize_model` applies it with
+``quantize_`` (a ``filter_fn`` per scheme for modules, an ``FqnToConfig`` for expert parameters), and the
+:class:`QuantReport` records all of it. Nothing is skipped silently: a layer a scheme cannot take (``in_features``
+not divisible by the group size) is listed with the reason. The ranks' quantized weights are compared by hash
+(:mod:`lit_ppl.quant.consistency`).
+
+Tied weights (``tie_word_embeddings``: the output head and the input embeddings are one tensor) are quantized
+once, for both, so the tie holds; when the rules give the two different schemes the plan refuses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from lit_ppl.config.quant import quant_node
+from lit_ppl.config.values import calibrated_method
+from lit_ppl.errors import LitPplError
+from lit_ppl.parallel.ranks import world
+from lit_ppl.quant.consistency import RankMismatchError, broadcast_from_rank0, check_consistency
+from lit_ppl.quant.plan import GROUP_SIZES, gptq_base_config, plan, rules_from_cfg, torchao_config
+from lit_ppl.quant.targets import to_plain_linear
+from lit_ppl.runtime.memory import tensor_bytes
+
+__all__ = ["QuantReport", "RankMismatchError", "build", "check_layout", "quantize_model"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class QuantReport:
+    """What quantization did; ``to_dict()`` goes into ``results.json`` under ``quant``."""
+
+    name: str
+    source: str
+    backend: dict[str, str] = field(default_factory=dict)  # scheme label -> torchao config and tensor type
+    modules: dict[str, dict[str, Any]] = field(default_factory=dict)
+    weight_bytes_before: int = 0
+    weight_bytes_after: int = 0
+    quantized_params: list[str] = field(default_factory=list)  # names in lm.named_parameters()
+    full_precision_bytes: int = 0  # parameters left unquantized (norms, biases, skipped and excluded layers)
+    converted: dict[str, str] = field(default_factory=dict)  # modules made nn.Linear first: name -> former class
+    consistency: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, Any] | None = (
+        None  # calibrated methods: the text, its tokens, the time (lit_ppl.quant.calibration)
+    )
+
+    @property
+    def quantized_modules(self) -> int:
+        return sum(m["config"] is not None for m in self.modules.values())
+
+    @property
+    def full_precision_fraction(self) -> float:
+        """Share of the original parameter bytes that stayed in full precision."""
+        return self.full_precision_bytes / self.weight_bytes_before if self.weight_bytes_before else 0.0
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Modules a rule asked to quantize that could not be, with the reason."""
+        return {n: m["reason"] for n, m in self.modules.items() if m.get("requested") and m["config"] is None}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "source": self.source,
+            "backend": self.backend,
+            "weight_bytes_before": self.weight_bytes_before,
+            "weight_bytes_after": self.weight_bytes_after,
+            "quantized_modules": self.quantized_modules,
+            "full_precision_bytes": self.full_precision_bytes,
+            "full_precision_fraction": self.full_precision_fraction,
+            "skipped": self.skipped,
+            "converted": self.converted,
+            "modules": self.modules,
+            "consistency": self.consistency,
+            "calibration": self.calibration,
+        }
+
+
+def quantize_model(lm: nn.Module, cfg: dict[str, Any], calibration: Any = None, tp: int = 1) -> QuantReport:
+    """Apply the ``quant`` config ``cfg`` to ``lm`` in place and return the report.
+
+    ``calibration`` (a :class:`lit_ppl.quant.calibration.Calibration`) is the text of calibrated methods (``awq``,
+    ``gptq``). ``tp``: the tensor-parallel degree, when ``lm`` holds this rank's slices of every split layer.
+    """
+    cfg = quant_node(cfg)
+    report = QuantReport(name=cfg["name"], source=cfg["source"])
+    report.weight_bytes_before = sum(tensor_bytes(p) for _, p in lm.named_parameters())
+    report.converted = to_plain_linear(lm)
+    todo, report.modules, targets = plan(lm, rules_from_cfg(cfg), cfg["backend"])
+    _check_planned(lm, report, todo, targets)
+    before = {n: tensor_bytes(t.weight(lm)) for n, t in targets.items()}
+    twins = {n: e["tied_to"] for n, e in report.modules.items() if "tied_to" in e}
+    rank, size = world()
+    broadcast = cfg["source"] == "rank0" and size > 1
+    experts = {n for n in todo if targets[n].kind == "experts"}
+    if experts:
+        # torchao's tensors run in F.linear, not in the grouped-matmul kernels of transformers' default experts.
+        lm.set_experts_implementation("eager")
+        report.backend["experts"] = "transformers' eager experts loop (F.linear per expert)"
+    _calibrate(lm, todo, calibration, report, broadcast, rank, size)
+    _round_to_nearest(lm, todo, experts, report, skip=broadcast and rank != 0)
+    if broadcast:
+        broadcast_from_rank0(lm, [n if n in experts else f"{n}.weight" for n in sorted(todo)])
+    modules = dict(lm.named_modules())
+    for second, first in twins.items():  # re-tie: the twin shares its first's quantized weight
+        modules[second].weight = modules[first].weight
+    for name, entry in report.modules.items():
+        entry["bytes_before"], entry["bytes_after"] = before[name], tensor_bytes(targets[name].weight(lm))
+    _finish_report(lm, report, tp)
+    return report
+
+
+def _check_planned(lm: nn.Module, report: QuantReport, todo: dict[str, Any], targets: dict[str, Any]) -> None:
+    """A plan that quantizes nothing is the user's mistake: one line saying why."""
+    if todo:
+        return
+    if report.skipped:
+        first = next(iter(report.skipped.values()))
+        raise LitPplError(
+            f"quant={report.name} would quantize none of the {len(report.skipped)} layers it names ({first}); "
+            f"choose quant.group_size among {GROUP_SIZES} that divides the layers' in_features"
+        )
+    raise LitPplError(
+        f"quant={report.name} quantizes none of {type(lm).__name__}'s {len(targets)} linear, embedding and "
+        "expert weights: no rule gives any of them a config other than none"
+    )
+
+
+def _calibrate(
+    lm: nn.Module, todo: dict[str, Any], calibration: Any, report: QuantReport, broadcast: bool, rank: int, size: int
+) -> None:
+    """The calibrated layers (AWQ, GPTQ), on the float model before any round-to-nearest layer changes their inputs
+    (torchao's order: every observer sees float activations): GPTQ's Hessians, then AWQ, then GPTQ's quantization.
+    Under ``source=rank0``, rank 0 alone calibrates on the whole set."""
+    calibrated = {n: torchao_config(s, k)[0] for n, (s, k, m) in todo.items() if m == "awq"}
+    gptq = {n: gptq_base_config(s)[0] for n, (s, k, m) in todo.items() if m == "gptq"}
+    if not (calibrated or gptq):
+        return
+    if calibration is None:
+        method = "awq" if calibrated else "gptq"
+        raise LitPplError(f"quant.method={method} needs calibration text: set quant.calibration.path=FILE")
+    from lit_ppl.quant.awq import run_awq
+    from lit_ppl.quant.gptq import apply_gptq, gptq_hessians
+
+    for s, k, m in {v for v in todo.values() if v[2] != "rtn"}:
+        label = f"{s.label} ({k})" if k and m == "awq" else s.label  # GPTQ's int4 is its own Int4Tensor
+        what = f"AWQ scales (lit_ppl.quant.awq) over {torchao_config(s, k)[1]}" if m == "awq" else None
+        report.backend[f"{m} {label}"] = what or f"{gptq_base_config(s)[1]}, Hessians reduced by lit_ppl.quant.gptq"
+    if broadcast and rank != 0:
+        return
+    where = (0, 1) if broadcast else (rank, size)
+    t0 = time.perf_counter()
+    hessians = gptq_hessians(lm, sorted(gptq), calibration, *where) if gptq else {}
+    choices: dict[str, dict[str, Any]] = {}
+    if calibrated:
+        choices, report.calibration = run_awq(lm, calibrated, calibration, *where)
+    if gptq:
+        choices.update(apply_gptq(lm, gptq, hessians))
+        info = report.calibration or {**calibration.describe(), "world_size": where[1]}
+        methods = "awq+gptq" if calibrated else "gptq"
+        report.calibration = {**info, "method": methods, "seconds": time.perf_counter() - t0}
+    for name, choice in choices.items():
+        report.modules[name].update(choice)
+
+
+class _Chosen:
+    """torchao's ``filter_fn`` for one scheme's modules; remembers the last one it chose, so an error can name it."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names, self.seen = names, ""
+
+    def __call__(self, module: nn.Module, name: str) -> bool:
+        if name in self.names:
+            self.seen = name
+            return True
+        return False
+
+
+def _round_to_nearest(lm: nn.Module, todo: dict[str, Any], experts: set[str], report: QuantReport, skip: bool) -> None:
+    """The round-to-nearest layers, one torchao ``quantize_`` per scheme; ``skip``: they arrive by broadcast."""
+    from torchao.quantization import FqnToConfig, quantize_
+
+    schemes = sorted({(s, k) for s, k, m in todo.values() if m == "rtn"}, key=lambda sk: (sk[0].label, sk[1] or ""))
+    for scheme, kernel in schemes:
+        names = {n for n, skm in todo.items() if skm == (scheme, kernel, "rtn")}
+        config, backend = torchao_config(scheme, kernel)
+        report.backend[f"{scheme.label} ({kernel})" if kernel else scheme.label] = backend
+        if skip:
+            continue  # quantized once, on rank 0
+        chosen = _Chosen(names - experts)
+        try:
+            if names - experts:
+                quantize_(lm, config, filter_fn=chosen)
+            if names & experts:  # 3D parameters, quantized by name
+                chosen.seen = ", ".join(sorted(names & experts))
+                quantize_(lm, FqnToConfig({n: config for n in sorted(names & experts)}), filter_fn=None)
+        except Exception as err:
+            # Not the user's input as far as lit-ppl's checks can tell: the traceback stays.
+            raise RuntimeError(f"{backend} failed on {chosen.seen or lm.__class__.__name__}: {err}") from err
+
+
+def _finish_report(lm: nn.Module, report: QuantReport, tp: int) -> None:
+    """The quantized parameters, their bytes, the ranks' agreement, and one log line each for skips and totals."""
+    report.weight_bytes_after = sum(tensor_bytes(p) for _, p in lm.named_parameters())
+    quantized = {id(p) for p in lm.parameters() if hasattr(p, "__tensor_flatten__")}
+    report.quantized_params = [n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) in quantized]
+    report.full_precision_bytes = sum(tensor_bytes(p) for p in lm.parameters() if id(p) not in quantized)
+    report.consistency = check_consistency(lm, [n for n, p in lm.named_parameters() if id(p) in quantized], tp)
+    skipped = report.skipped
+    if skipped:
+        log.warning(
+            "quantization skipped %d modules: %s", len(skipped), "; ".join(f"{n}: {r}" for n, r in skipped.items())
+        )
+    log.info(
+        "quantized %d weights; %.1f%% of the weight bytes stay in full precision",
+        report.quantized_modules,
+        100 * report.full_precision_fraction,
+    )
+
+
+def build(
+    cfg: dict[str, Any], tokenizer: Any = None, evaluated: Any = None, timeout_s: float = 300.0
+) -> Callable[[nn.Module], QuantReport] | None:
+    """The ``quantize(lm) -> QuantReport`` callable for a ``quant`` config, or ``None`` for ``quant=none``.
+
+    The rules are parsed now, so a bad config fails before any model is loaded. A calibrated method needs the
+    model's ``tokenizer``; its calibration text is checked against ``evaluated`` (the evaluated
+    :class:`~lit_ppl.data.sources.DataSpec`) and tokenized now, before any process group exists (as the evaluated
+    text is), so that no rank waits inside a collective while another tokenizes.
+    """
+    cfg = quant_node(cfg)
+    if cfg["name"] == "none":
+        return None
+    rules_from_cfg(cfg)  # a bad rule fails now
+    method = calibrated_method(cfg)
+    if method is None:
+        return lambda lm, tp=1: quantize_model(lm, cfg, tp=tp)
+    from lit_ppl.quant.calibration import Calibration, CalibrationSpec, prepare_calibration
+
+    spec = CalibrationSpec.from_cfg(cfg["calibration"], method)
+    if tokenizer is None:
+        raise LitPplError(f"quant.method={method} needs the model's tokenizer to read quant.calibration.path")
+    store = prepare_calibration(spec, tokenizer, evaluated, timeout_s)
+    return lambda lm, tp=1: quantize_model(lm, cfg, Calibration(spec, store), tp)
+
+
+def check_layout(cfg: dict[str, Any], layout: Any) -> None:
+    """What quantization cannot do when the layout splits the model (:mod:`lit_ppl.parallel.layout`), refused at
+    once."""
+    cfg = quant_node(cfg)
+    if cfg["name"] == "none" or not layout.sharded:
+        return
+    method = calibrated_method(cfg)
+    if method is not None:
+        raise LitPplError(
+            f"quant.method={method} with strategy layout {layout.kind}: calibration runs whole layers on every rank; "
+            "evaluate calibrated quantization with strategy=ddp (each rank holds the model)"
+        )
+    if cfg["source"] == "rank0":
+        raise LitPplError(
+            f"quant.source=rank0 with strategy layout {layout.kind}: ranks hold different slices, so rank 0's "
+            "cannot be broadcast; use quant.source=local"
+        )

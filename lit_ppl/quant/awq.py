@@ -1,0 +1,144 @@
+"""AWQ, calibrated across ranks: one scale search, the same on every rank.
+
+AWQ (activation-aware weight quantization) quantizes ``W·diag(s)`` instead of ``W`` and divides the layer's
+input by ``s`` at run time (torchao's ``act_pre_scale``). For each linear layer, with ``x̄`` the mean absolute
+input per channel over the calibration tokens, torchao's search tries ``s = x̄^(i/n)`` (normalised by
+``sqrt(max·min)``) for ``i = 0 .. n-1`` and keeps the one whose quantized output is closest to the float output.
+
+torchao's ``AWQObserver`` keeps every calibration input of every layer and knows nothing of ranks. Here the
+same search runs from two statistics accumulated while the calibration windows stream through the float model,
+so memory does not grow with the calibration set, and each is summed over the ranks in float64:
+
+1. per layer: ``Σ|x|`` per input channel and the token count (``x̄ = Σ|x| / count``);
+2. per layer and candidate scale: ``Σ (x·Wᵀ − (x·s⁻¹)·Q(W·s)ᵀ)²``, the squared output error of the quantized
+   layer, computed with the real quantized kernel; candidates are quantized one at a time, as the batch passes.
+
+After each pass one ``all_reduce`` gives every rank the same float64 numbers, hence the same ``argmin`` and the
+same quantized weights (which :func:`lit_ppl.quant.consistency.check_consistency` then proves by hash). The windows are
+the token store's ``block`` windows (:mod:`lit_ppl.data.windows`), batched once independently of the world size
+(:func:`lit_ppl.data.sampler.plan_batches` with ``deterministic=True``) and shared out over the ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_ppl.errors import LitPplError
+from lit_ppl.quant.calibration import Calibration, all_reduce, layer_statistics, stream
+
+
+def quantize_weight(weight: torch.Tensor, config: Any) -> torch.Tensor:
+    """``weight`` quantized by the torchao handler of ``config`` (the building block of ``quantize_``)."""
+    from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER
+    from torchao.utils import DummyModule
+
+    return _QUANTIZE_CONFIG_HANDLER[type(config)](DummyModule(weight), config).weight
+
+
+def candidate_scales(x_mean: torch.Tensor, grid: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(grid, in)`` candidate scales from the mean absolute input, as torchao's ``AWQObserver`` forms them."""
+    out = []
+    for i in range(grid):
+        s = x_mean.pow(i / grid).to(dtype).clamp(min=1e-4)
+        out.append(s / (s.max() * s.min()).sqrt())
+    return torch.stack(out)
+
+
+def awq_statistics(
+    lm: nn.Module, configs: dict[str, Any], calibration: Calibration, rank: int, world_size: int
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Both passes: per layer ``abs_sum`` (float64, per input channel), ``count`` and ``errors`` (float64, per
+    candidate), each summed over the ranks, and the ``scales`` they were computed for."""
+    modules, batches, real_box, stats = layer_statistics(
+        lm,
+        list(configs),
+        calibration,
+        rank,
+        world_size,
+        lambda w: {"abs_sum": torch.zeros(w.shape[1], dtype=torch.float64, device=w.device)},
+    )
+
+    def observe(name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            x = args[0][real_box[0]]  # (tokens, in): padding positions left out
+            stats[name]["abs_sum"] += x.abs().to(torch.float64).sum(0)
+            stats[name]["count"] += x.shape[0]
+
+        return hook
+
+    def measure(name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            x = args[0][real_box[0]]
+            w, s = module.weight, stats[name]["scales"]
+            ref = F.linear(x, w)
+            for k in range(s.shape[0]):  # one quantized candidate at a time: memory of one layer, not grid layers
+                q = quantize_weight(w * s[k], configs[name])
+                err = (ref - F.linear(x * (1.0 / s[k]), q)).to(torch.float64)
+                stats[name]["errors"][k] += err.pow(2).sum()
+
+        return hook
+
+    for step, make in (("observe", observe), ("measure", measure)):
+        stream(lm, modules, make, calibration, batches, real_box)
+        if step == "observe":
+            # One reduction for every layer's sums, one for the counts: the same float64 numbers on every rank.
+            flat = all_reduce(torch.cat([st["abs_sum"] for st in stats.values()]), world_size)
+            counts = all_reduce(torch.stack([st["count"] for st in stats.values()]), world_size)
+            offset = 0
+            for (name, st), count in zip(stats.items(), counts, strict=True):
+                size = st["abs_sum"].numel()
+                st["abs_sum"], st["count"] = flat[offset : offset + size], count
+                offset += size
+                x_mean = st["abs_sum"] / max(int(count), 1)
+                st["scales"] = candidate_scales(x_mean, calibration.spec.grid, modules[name].weight.dtype)
+                st["errors"] = torch.zeros(calibration.spec.grid, dtype=torch.float64, device=x_mean.device)
+        else:
+            errors = all_reduce(torch.stack([st["errors"] for st in stats.values()]), world_size)
+            for st, e in zip(stats.values(), errors, strict=True):
+                st["errors"] = e
+    return stats
+
+
+def apply_awq(
+    lm: nn.Module, configs: dict[str, Any], calibration: Calibration, rank: int, world_size: int
+) -> dict[str, dict[str, Any]]:
+    """Calibrate every layer of ``configs`` (name → torchao base config) and replace its weight by ``Q(W·s)`` with
+    ``act_pre_scale = 1/s``; returns, per layer, the chosen ratio and its error relative to ``s = 1``."""
+    from torchao.quantization.quantize_.common import SupportsActivationPreScaling
+
+    stats = awq_statistics(lm, configs, calibration, rank, world_size)
+    chosen: dict[str, dict[str, Any]] = {}
+    for name, st in stats.items():
+        best = int(torch.argmin(st["errors"]))  # the first minimum, like torchao's strict "<"
+        mod = lm.get_submodule(name)
+        s = st["scales"][best]
+        qw = quantize_weight(mod.weight.detach() * s, configs[name])
+        if not isinstance(qw, SupportsActivationPreScaling):
+            raise LitPplError(
+                f"AWQ needs a quantized tensor with an activation pre-scale; {type(configs[name]).__name__} gives "
+                f"{type(qw).__name__} for {name}, which has none: use quant.method=rtn for it"
+            )
+        qw.act_pre_scale = 1.0 / s
+        mod.weight = nn.Parameter(qw, requires_grad=False)
+        base = float(st["errors"][0])
+        chosen[name] = {
+            "awq_ratio": best / calibration.spec.grid,
+            "awq_error_vs_rtn": float(st["errors"][best]) / base if base > 0 else 1.0,
+        }
+    return chosen
+
+
+def run_awq(
+    lm: nn.Module, configs: dict[str, Any], calibration: Calibration, rank: int, world_size: int
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """:func:`apply_awq` timed; ``(per-layer choices, the calibration's description for results.json)``."""
+    t0 = time.perf_counter()
+    chosen = apply_awq(lm, configs, calibration, rank, world_size)
+    info = {**calibration.describe(), "method": "awq", "world_size": world_size}
+    info["seconds"] = time.perf_counter() - t0
+    return chosen, info

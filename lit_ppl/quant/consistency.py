@@ -1,0 +1,83 @@
+"""Quantized weights across ranks: their bytes, a digest, the check that ranks agree, rank 0's broadcast.
+
+Every rank quantizes its own copy (``quant.source=local``) or rank 0 quantizes and broadcasts
+(``quant.source=rank0``); either way :func:`check_consistency` hashes every quantized parameter on every rank and
+refuses ranks that hold different weights (:class:`RankMismatchError`): their results would not be one model's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_ppl.parallel.ranks import world
+from lit_ppl.runtime.memory import inner_tensors
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks hold different quantized weights: their results would not be one model's."""
+
+
+def digest(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's inner tensors (bytes, dtypes and shapes)."""
+    h = hashlib.sha256()
+    for name, x in inner_tensors(t):
+        x = x.detach().contiguous().cpu()
+        h.update(f"{name}|{x.dtype}|{tuple(x.shape)}|".encode())
+        h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def check_consistency(lm: nn.Module, names: list[str], tp: int = 1) -> dict[str, Any]:
+    """Hash every quantized parameter on every rank and compare; raise naming the modules that differ.
+
+    Under tensor parallelism (``tp`` > 1) the ranks of a group hold different slices: each rank is compared with
+    the first rank holding the same slice (``rank % tp``).
+    """
+    import torch.distributed as dist
+
+    params = dict(lm.named_parameters())
+    local = {n: digest(params[n]) for n in names if n in params}
+    _, size = world()
+    total = hashlib.sha256("".join(f"{n}={d};" for n, d in sorted(local.items())).encode()).hexdigest()
+    if size == 1:
+        return {"world_size": 1, "checked": False, "digest": total}
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, local)
+    differing = sorted(
+        {
+            n
+            for r in range(tp, size)
+            for n in set(gathered[r % tp]) | set(gathered[r])
+            if gathered[r % tp].get(n) != gathered[r].get(n)
+        }
+    )
+    if differing:
+        bad_ranks = [r for r in range(tp, size) if gathered[r] != gathered[r % tp]]
+        shown = ", ".join(m.removesuffix(".weight") for m in differing[:20])
+        raise RankMismatchError(
+            f"quantized weights differ across ranks (ranks {bad_ranks} vs rank {bad_ranks[0] % tp}) in "
+            f"{len(differing)} modules: "
+            f"{shown}{' ...' if len(differing) > 20 else ''}. Ranks loaded different weights or their kernels "
+            "quantize differently; use quant.source=rank0 to quantize on rank 0 and broadcast"
+        )
+    return {"world_size": size, "checked": True, "digest": total}
+
+
+def broadcast_from_rank0(lm: nn.Module, names: list[str]) -> None:
+    """Replace every rank's quantized parameters with rank 0's (pickled, one module at a time)."""
+    import torch.distributed as dist
+
+    rank, _ = world()
+    modules = dict(lm.named_modules())
+    for name in names:
+        mod_name, _, attr = name.rpartition(".")
+        mod = modules[mod_name]
+        device = getattr(mod, attr).device
+        # Pickled through the CPU: other ranks' tensors may not even have rank 0's types or shapes.
+        box = [getattr(mod, attr).detach().cpu() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        setattr(mod, attr, nn.Parameter(box[0].to(device), requires_grad=False))

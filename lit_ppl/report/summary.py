@@ -1,0 +1,88 @@
+"""The summary a run prints: its headline numbers and, when comparing, llama.cpp's KL statistics (Rich tables)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def per_rank(values: list[float]) -> str:
+    """Few ranks: every value; many: the max and the min, with their ranks."""
+    if len(values) <= 4:
+        return " · ".join(f"{v:,.0f}" for v in values)
+    hi, lo = max(range(len(values)), key=values.__getitem__), min(range(len(values)), key=values.__getitem__)
+    return f"max {values[hi]:,.0f} (rank {hi}) · min {values[lo]:,.0f} (rank {lo})"
+
+
+def print_results_table(results: dict[str, Any]) -> None:
+    """Print the headline numbers as a Rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"lit-ppl · {results['mode']} · seq_len {results['seq_len']}", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    lo, hi = results["ppl_ci95"]
+    rows = [
+        ("token perplexity", f"{results['ppl']:.6f}"),
+        ("95% interval", f"[{lo:.4f}, {hi:.4f}]"),
+        ("mean NLL (nats)", f"{results['nll_mean']:.6f} ± {results['nll_stderr']:.6f}"),
+        ("word perplexity", f"{results['word_ppl']:.4f}"),
+        ("byte perplexity", f"{results['byte_ppl']:.6f}"),
+        ("bits per byte", f"{results['bits_per_byte']:.6f}"),
+        ("tokens / words / bytes", f"{results['tokens']:,} / {results['words']:,} / {results['bytes']:,}"),
+        ("documents", f"{results['documents']:,}"),
+        (
+            "world size · strategy · precision",
+            f"{results['world_size']} · {results['strategy']} · {results['precision']}",
+        ),
+        ("seconds · tokens/s", f"{results['seconds']:.2f} · {results['tokens_per_s'] or 0:,.0f}"),
+    ]
+    layout = results.get("parallel")
+    if layout and layout["kind"] not in ("single", "ddp"):  # a split model: what each rank holds is the point
+        dims = f"{layout['dp_replicate']} × {layout['dp_shard']} × {layout['tp']}"
+        rows.append(("layout dp_replicate × dp_shard × tp", dims))
+        rows.append(("weights per rank (MB)", per_rank([round(b / 2**20, 1) for b in results["rank_weight_bytes"]])))
+    for key, name in (
+        ("rank_peak_rss_mb", "peak RSS per rank (MB)"),
+        ("rank_peak_device_mb", "peak GPU per rank (MB)"),
+    ):
+        if results.get(key):
+            rows.append((name, per_rank(results[key])))
+    quant = results.get("quant")
+    if quant:
+        rows.append(
+            (
+                f"quant={quant['name']}",
+                f"{quant['quantized_modules']} weights quantized · "
+                f"{100 * quant['full_precision_fraction']:.1f}% of weight bytes in full precision",
+            )
+        )
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+
+
+def print_compare_table(compare: dict[str, Any]) -> None:
+    """Print llama.cpp-style headline statistics of a comparison (``results.json``'s ``compare``)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    c = compare
+    table = Table(title=f"candidate vs reference · {c['tokens']:,} tokens")
+    table.add_column("statistic")
+    table.add_column("value", justify="right")
+    rows = [
+        ("PPL(Q) · PPL(base)", f"{c['ppl']:.6f} ± {c['ppl_unc']:.6f} · {c['ppl_base']:.6f} ± {c['ppl_base_unc']:.6f}"),
+        ("Cor(ln PPL(Q), ln PPL(base))", f"{100 * c['ln_ppl_correlation']:.2f}%"),
+        ("PPL(Q)/PPL(base)", f"{c['ppl_ratio']:.6f} ± {c['ppl_ratio_unc']:.6f}"),
+        ("mean KLD", f"{c['kld_mean']:.6f} ± {c['kld_mean_unc']:.6f}"),
+        (
+            "KLD max · 99% · median · min",
+            f"{c['kld_max']:.6f} · {c['kld_p99']:.6f} · {c['kld_p50']:.6f} · {c['kld_min']:.6f}",
+        ),
+        ("mean Δp · RMS Δp", f"{100 * c['p_diff_mean']:.3f}% · {100 * c['p_diff_rms']:.3f}%"),
+        ("same top-1", f"{100 * c['same_top']:.3f} ± {100 * c['same_top_unc']:.3f}%"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
