@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lit_ppl.config.numbers import progress_keys
+from lit_ppl.config.numbers import number_keys, progress_keys
 from lit_ppl.config.quant import quant_node
 from lit_ppl.config.schema import ParallelConfig, ValidateConfig
 from lit_ppl.config.targets import check_targets, construct
@@ -38,6 +38,7 @@ class Plan:
     cfg: ValidateConfig  # the typed config, converted once
     config: dict[str, Any]  # the same, resolved to plain containers: results.json's "config"
     output_dir: Path
+    devices: int  # trainer.devices as a number (processes on this node)
     layout: parallel.Layout
     model: ModelSpec
     data: DataSpec
@@ -45,14 +46,32 @@ class Plan:
     batch: BatchPlan
     quant: dict[str, Any]  # the quant node with every default (lit_ppl.quant reads it as it is)
     breakdown: bool  # per-document and per-position sums: kept only when a report reads them
+    model_identity: dict[str, Any]  # the weights' files with their times (lit_ppl.model.spec.ModelSpec.identity)
 
     @property
     def deterministic(self) -> bool:
         return self.cfg.eval.deterministic
 
     def progress_config(self) -> dict[str, Any]:
-        """What saved progress must match (:func:`lit_ppl.config.numbers.progress_keys`) and what its states hold."""
-        return {**progress_keys(self.config), "breakdown": self.breakdown}
+        """What saved progress must match (:func:`lit_ppl.config.numbers.progress_keys`, the weights' files with
+        their times) and what its states hold."""
+        return {**progress_keys(self.config), "breakdown": self.breakdown, "model_identity": self.model_identity}
+
+    def agreement(self) -> dict[str, Any]:
+        """What every rank must share, without paths (a node may read its own copy of the files): the number keys,
+        the weights' file names and sizes, the layout and the batch plan (:mod:`lit_ppl.evaluation.agreement`)."""
+        numbers = number_keys(self.config)
+        run = self.cfg
+        return {
+            **{k: v for k, v in numbers.items() if k not in ("model", "data")},
+            "model": {k: v for k, v in numbers["model"].items() if k != "path"},
+            "model_files": self.model.identity(times=False)["digest"],
+            "data": {k: v for k, v in numbers["data"].items() if k != "path"},
+            "eval": dataclasses.asdict(run.eval),
+            "layout": self.layout.describe(),
+            "batch_size": run.batch_size,
+            "balance": [run.distributed.balance, run.distributed.weights],
+        }
 
 
 def check_output_dir(path: str) -> Path:
@@ -72,6 +91,24 @@ def resolve_layout(name: str, p: ParallelConfig, devices: int, num_nodes: int) -
     if name == "hsdp" and num_nodes < 2:
         raise LitPplError("strategy=hsdp replicates across nodes: it needs trainer.num_nodes >= 2")
     return parallel.resolve(p.dp_replicate, p.dp_shard, p.tp, devices * num_nodes, num_nodes, p.tp_across_nodes)
+
+
+def count_devices(accelerator: str, devices: Any) -> int:
+    """``trainer.devices`` as a number: ``-1``/``auto`` (every GPU) and a list of GPU ids counted here, not by
+    Lightning, because the layout is checked before the Trainer exists."""
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    if isinstance(devices, list) and devices:
+        return len(devices)
+    if devices in (-1, "-1", "auto"):
+        if not on_gpu:
+            raise LitPplError(
+                f"trainer.devices={devices} means every GPU, but this run is on the CPU; give the number of processes "
+                "(e.g. trainer.devices=2)"
+            )
+        return torch.cuda.device_count()
+    if isinstance(devices, bool) or not str(devices).isdigit() or int(devices) < 1:
+        raise LitPplError(f"trainer.devices={devices!r} must be a positive integer, -1 or auto (every GPU), or a list")
+    return int(devices)
 
 
 def check_devices(accelerator: str, devices: int) -> None:
@@ -114,7 +151,8 @@ def preflight(cfg: DictConfig) -> Plan:
     typed: ValidateConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ValidateConfig), plain))
     out = check_output_dir(typed.output_dir)
     trainer, dist = typed.trainer, typed.distributed
-    devices, num_nodes, accelerator = int(trainer["devices"]), int(trainer["num_nodes"]), str(trainer["accelerator"])
+    accelerator, num_nodes = str(trainer["accelerator"]), int(trainer["num_nodes"])
+    devices = count_devices(accelerator, trainer["devices"])
     layout = resolve_layout(typed.strategy.name, typed.parallel, devices, num_nodes)
     deterministic = typed.eval.deterministic
     balance.check(dist.balance, dist.weights, layout.kind, deterministic, devices * num_nodes, num_nodes)
@@ -128,8 +166,14 @@ def preflight(cfg: DictConfig) -> Plan:
         layout.check_model(tensor_parallel.widths(model_config))
         tensor_parallel.check_plan(model_config)
     quant = quant_node(plain["quant"])
+    if quant["name"] != "none" and typed.precision in ("64-true", "64"):
+        raise LitPplError(
+            f"quant={quant['name']} with precision={typed.precision}: torchao's quantized weights take bfloat16, "
+            "float16 or float32 inputs, not float64; use precision=32-true (or bf16-true)"
+        )
     quantize.check_layout(quant, layout)
     autobatch.check_layout(typed.batch_size, layout)
     batch = BatchPlan(typed.batch_size, dist.balance, dist.weights, dataclasses.asdict(typed.autobatch))
     breakdown = bool(typed.report.per_document) or typed.report.plots
-    return Plan(typed, plain, out, layout, model, construct(plain["data"]), limits, batch, quant, breakdown)
+    data = construct(plain["data"])
+    return Plan(typed, plain, out, devices, layout, model, data, limits, batch, quant, breakdown, model.identity())

@@ -17,12 +17,13 @@ from omegaconf import DictConfig
 from lit_ppl.config.values import ConfigError
 from lit_ppl.data.datamodule import PerplexityDataModule
 from lit_ppl.errors import LitPplError
+from lit_ppl.evaluation.agreement import AgreementCheck
 from lit_ppl.evaluation.compare import CompareModule, reference_spec
 from lit_ppl.evaluation.module import PerplexityModule
 from lit_ppl.evaluation.resume import EXIT_PREEMPTED, Preempted, ResumeCallback
 from lit_ppl.evaluation.trainer import build_trainer
 from lit_ppl.model.scorer import ScorerMismatchError
-from lit_ppl.parallel.ranks import RankFailure, first_line, rank
+from lit_ppl.parallel.ranks import RankFailure, first_line, peer_failure, rank
 from lit_ppl.parallel.strategies import join_launched_ranks
 from lit_ppl.preflight import Plan, preflight
 from lit_ppl.quant import apply as quantize
@@ -58,24 +59,17 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     run = plan.cfg
     logger = loggers.build(run.logger, plan.config)  # before the model loads: a missing package fails in a second
     L.seed_everything(run.seed, verbose=False)
-    set_cpu_threads(str(run.trainer["accelerator"]), int(run.trainer["devices"]), plan.deterministic)
+    set_cpu_threads(str(run.trainer["accelerator"]), plan.devices, plan.deterministic)
     use_deterministic_kernels(plan.deterministic)
     datamodule = build_datamodule(plan)
     # The token store, before Lightning starts the process group: ranks that wait while another process tokenizes
     # a large corpus then wait on its progress, not inside a collective with a fixed timeout.
     datamodule.prepare_data()
     module = build_module(plan, datamodule)
-    callbacks: list[L.Callback] = [TokensPerSecondBar()]
-    if run.resume.enabled:
-        directory = plan.output_dir / "progress"
-        resume = run.resume
-        callbacks.append(
-            ResumeCallback(directory, plan.progress_config(), plan.batch, resume.save_every, resume.check_every)
-        )
-    if logger:
-        callbacks.append(loggers.TokensPerSecondLogger())  # after ResumeCallback: it counts from restored progress
-    args = (run.trainer, plan.layout, run.precision, run.distributed.timeout_s)
-    trainer = build_trainer(*args, module, callbacks, logger)
+    callbacks = build_callbacks(plan, logger)
+    trainer = build_trainer(
+        run.trainer, plan.layout, run.precision, run.distributed.timeout_s, module, callbacks, logger
+    )
     trainer.validate(module, datamodule=datamodule, verbose=False)
     results = build_results(module.result, module.result_fields(), run_facts(plan, trainer, datamodule), plan.config)
     if trainer.is_global_zero:
@@ -83,6 +77,20 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     loggers.log_final(trainer, plan.config, results, module.steps)
     join_launched_ranks(trainer.strategy, run.distributed.timeout_s)
     return results
+
+
+def build_callbacks(plan: Plan, logger: Any) -> list[L.Callback]:
+    """The progress bar, the ranks' agreement check, resume (unless ``resume.enabled=false``), the logger's rate."""
+    callbacks: list[L.Callback] = [TokensPerSecondBar(), AgreementCheck(plan.agreement())]
+    resume = plan.cfg.resume
+    if resume.enabled:
+        directory = plan.output_dir / "progress"
+        callbacks.append(
+            ResumeCallback(directory, plan.progress_config(), plan.batch, resume.save_every, resume.check_every)
+        )
+    if logger:
+        callbacks.append(loggers.TokensPerSecondLogger())  # after ResumeCallback: it counts from restored progress
+    return callbacks
 
 
 def build_datamodule(plan: Plan) -> PerplexityDataModule:
@@ -126,7 +134,7 @@ def run_facts(plan: Plan, trainer: L.Trainer, datamodule: PerplexityDataModule) 
     return {
         "mode": run.eval.mode,
         "seq_len": run.eval.seq_len,
-        "stride": run.eval.stride,
+        "stride": run.eval.stride if run.eval.mode == "sliding" else None,  # the other modes have none
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
         "strategy": run.strategy.name,
@@ -140,6 +148,7 @@ def run_facts(plan: Plan, trainer: L.Trainer, datamodule: PerplexityDataModule) 
         },
         "precision": run.precision,
         "model": plan.model.path,
+        "model_identity": plan.model_identity,
         "data": datamodule.describe(),
     }
 
@@ -176,7 +185,7 @@ def exit_for(err: BaseException) -> tuple[str, int]:
     if isinstance(err, dist.DistNetworkError | dist.DistStoreError):
         # Raised while the ranks find each other (TCPStore): nothing ran yet, no peer "died".
         return f"lit-ppl: error: rank {rank()}: could not reach the other ranks at start-up: {first_line(err)}", 1
-    if isinstance(err, dist.DistError):
+    if peer_failure(err):
         # A collective failed because a peer went away: one line per surviving rank, not a page of C++.
         return f"lit-ppl: error: rank {rank()}: a collective failed, another rank probably died: {first_line(err)}", 1
     traceback.print_exception(err)

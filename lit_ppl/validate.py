@@ -12,7 +12,7 @@ Several processes on one machine (Lightning launches them)::
 Several nodes (torchrun on each node, or srun: see slurm/)::
 
     torchrun --nnodes 2 --node_rank K --nproc_per_node 8 --master_addr HOST --master_port 29500 \\
-        -m lit_ppl.validate strategy=fsdp trainer.num_nodes=2 trainer.devices=8
+        --rdzv-conf timeout=120 -m lit_ppl.validate strategy=fsdp trainer.num_nodes=2 trainer.devices=8
 """
 
 from __future__ import annotations
@@ -91,6 +91,16 @@ def hydra_target_override(argv: list[str]) -> str | None:
     return None
 
 
+def with_run_dir(argv: list[str]) -> list[str]:
+    """``output_dir=X`` given without ``hydra.run.dir``: Hydra's own files go to X too, not to ``outputs/DATE/TIME``
+    under the working directory (which may be read-only, or shared by many jobs)."""
+    keys = {a.split("=", 1)[0].lstrip("+~") for a in argv if "=" in a}
+    if "-m" in argv or "--multirun" in argv or "hydra.run.dir" in keys:
+        return argv
+    given = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+") == "output_dir"]
+    return [*argv, f"hydra.run.dir={given[-1]}"] if given else argv
+
+
 def entry() -> None:
     """``python -m lit_ppl.validate``: Hydra's main, with composition errors (an unknown key, a value of the wrong
     type, a missing group option) on one line instead of Hydra's several lines and traceback hint."""
@@ -101,6 +111,7 @@ def entry() -> None:
             file=sys.stderr,
         )
         sys.exit(EXIT_CONFIG)
+    sys.argv[1:] = with_run_dir(sys.argv[1:])
     if os.environ.get("HYDRA_FULL_ERROR") and not os.environ.get(_OWN_FULL_ERROR):
         main()  # the user asked for Hydra's full traces
         return

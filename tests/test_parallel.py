@@ -86,6 +86,21 @@ def test_tp_must_divide_heads_and_widths():
     parallel.resolve(1, 1, 4, world_size=4).check_model(tensor_parallel.widths(cfg))
     with pytest.raises(ValueError, match=r"parallel.tp=3 does not divide the model's 8 attention heads"):
         parallel.resolve(1, 1, 3, world_size=3).check_model(tensor_parallel.widths(cfg))
+    # More ranks than key/value heads: each KV head is replicated over tp / kv ranks (Gemma 3's one KV head).
+    one_kv = LlamaConfig(num_attention_heads=8, num_key_value_heads=1, intermediate_size=128, hidden_size=64)
+    parallel.resolve(1, 1, 4, world_size=4).check_model(tensor_parallel.widths(one_kv))
+    # SmolLM2-135M's shape: the refusal lists the values that fit (before, "use a tp that divides 1 (e.g. )").
+    smol = LlamaConfig(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536, hidden_size=576)
+    with pytest.raises(
+        ValueError, match=r"tp=2 does not divide the model's 9 attention heads; tp values that fit this model: 3$"
+    ):
+        parallel.resolve(1, 1, 2, world_size=2).check_model(tensor_parallel.widths(smol))
+    three_kv = LlamaConfig(num_attention_heads=12, num_key_value_heads=3, intermediate_size=96, hidden_size=96)
+    with pytest.raises(
+        ValueError,
+        match=r"tp=4 does not divide \(nor is a multiple of\) the model's 3 key/value heads; .*: 3, 6, 12$",
+    ):
+        parallel.resolve(1, 1, 4, world_size=4).check_model(tensor_parallel.widths(three_kv))
 
 
 def test_models_without_a_plan_are_refused_by_type():
@@ -238,7 +253,7 @@ def test_bad_layouts_fail_in_one_line(docs_file, tmp_path):
 @pytest.mark.slow
 def test_a_model_without_a_plan_is_refused_before_loading(docs_file, tmp_path):
     require_shared()
-    import zoo
+    from helpers import zoo
 
     model = zoo.build("gpt2", tmp_path / "models", STORIES)
     proc, _ = run_entry(_args(docs_file, f"model.path={model}", "strategy=tp", "trainer.devices=2"), tmp_path)

@@ -26,8 +26,11 @@ from lit_ppl.config.values import (
     check_batch_size,
     check_calibration,
     check_logger,
+    check_non_negative,
     check_paths,
+    check_positive,
     check_rank_count,
+    check_step_count,
     check_trainer,
     meta,
 )
@@ -131,7 +134,9 @@ class AutobatchConfig:
 class DistributedConfig:
     """``distributed``: collectives and work sharing."""
 
-    timeout_s: float = field(default=300.0, metadata=meta("every collective gives up after this many seconds"))
+    timeout_s: float = field(
+        default=300.0, metadata=meta("every collective gives up after this many seconds", check=check_positive)
+    )
     balance: str = field(
         default="tokens", metadata=meta("how work is shared between ranks of unequal speed", choices=BALANCES)
     )
@@ -145,8 +150,12 @@ class ResumeConfig:
     """``resume``: preemption-safe progress in ``${output_dir}/progress``."""
 
     enabled: bool = field(default=True, metadata=meta("save progress and resume a rerun"))
-    save_every: int = field(default=200, metadata=meta("steps between saves"))
-    check_every: int = field(default=10, metadata=meta("steps between cross-rank checks for SIGUSR1/SIGTERM"))
+    save_every: int = field(
+        default=200, metadata=meta("steps between saves (0: only on a signal)", check=check_non_negative)
+    )
+    check_every: int = field(
+        default=10, metadata=meta("steps between cross-rank checks for SIGUSR1/SIGTERM", check=check_step_count)
+    )
 
 
 @dataclass

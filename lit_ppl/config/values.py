@@ -151,8 +151,36 @@ def check_paths(key: str, value: Any) -> None:
         raise ConfigError(f"{key}={value!r} must be a path, a glob, a list of them, or null")
 
 
+# Trainer arguments that score part of the corpus while the run reports the whole corpus's words, bytes and
+# documents: their value when they change nothing.
+PARTIAL_TRAINER_ARGS = {"limit_val_batches": (None, 1.0), "fast_dev_run": (False, 0), "overfit_batches": (0, 0.0)}
+
+
+def check_positive(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(f"{key}={value!r} must be a number of seconds > 0")
+
+
+def check_non_negative(key: str, value: Any) -> None:
+    if not _is_int(value) or value < 0:
+        raise ConfigError(f"{key}={value!r} must be an integer >= 0 (0: never)")
+
+
+def check_step_count(key: str, value: Any) -> None:
+    if not _is_int(value) or value < 1:
+        raise ConfigError(f"{key}={value!r} must be a positive integer")
+
+
 def check_trainer(key: str, value: Any) -> None:
     for name, given in (value or {}).items():
+        if name in PARTIAL_TRAINER_ARGS and not any(
+            given == unset and isinstance(given, bool) == isinstance(unset, bool)
+            for unset in PARTIAL_TRAINER_ARGS[name]
+        ):
+            raise ConfigError(
+                f"{key}.{name}={given!r} would score part of the corpus and still report the whole corpus's words, "
+                "bytes and documents; use data.limit=N (the first N documents, each scored whole)"
+            )
         if name in OWNED_TRAINER_ARGS:
             raise ConfigError(f"{key}.{name} is set by lit-ppl itself; leave it out")
         if name not in TRAINER_ARGS:

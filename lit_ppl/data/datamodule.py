@@ -177,6 +177,18 @@ class PerplexityDataModule(L.LightningDataModule):
         )
         self.corpus = corpus
 
+    def windows_digest(self) -> str:
+        """A digest of the exact windows (their bounds and scored ranges) and of every document's token count: equal
+        only for the same text, tokenizer and window plan, wherever the files and the store live."""
+        import hashlib
+
+        assert self.corpus is not None and self.windows is not None, "call setup() first"
+        h = hashlib.sha256()
+        w = self.windows
+        for a in (w.start, w.end, w.score_from, self.corpus.doc_lengths):
+            h.update(memoryview(np.ascontiguousarray(a)))  # no joined copy: 24 bytes per window
+        return h.hexdigest()[:16]
+
     def describe(self) -> dict[str, Any]:
         """What was evaluated, for ``results.json``: the source, ``data.limit`` and the token store."""
         assert self.corpus is not None, "call setup() first"

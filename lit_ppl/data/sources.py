@@ -22,6 +22,7 @@ from typing import Any
 
 from lit_ppl.config.values import DATA_FORMATS, ENCODING_ERRORS
 from lit_ppl.errors import LitPplError
+from lit_ppl.parallel.ranks import first_line
 
 DEMO_TEXT = "package://lit_ppl.assets/demo.txt"
 FORMATS = DATA_FORMATS
@@ -91,9 +92,9 @@ class DataSpec:
                 raise LitPplError(f"data.document_separator={self.document_separator!r} is not a regex: {err}") from err
 
     def fingerprint(self, tokenizer_fingerprint: str, version: str) -> str:
-        """Key of the tokenized corpus: the files (path, size, mtime) or the hub dataset, the reading options and
-        the tokenizer. Contents are not hashed (a gigabyte would cost seconds at every start): a file rewritten
-        in place keeps its key only if its size and mtime are unchanged, as for ``datasets``' own cache."""
+        """Key of the tokenized corpus: the files (path, size, mtime, ctime) or the hub dataset, the reading options
+        and the tokenizer. Contents are not hashed (a gigabyte would cost seconds at every start): a file rewritten
+        in place changes its ctime, which ``touch -d`` cannot set back, so it gets a new key."""
         stats = [(p, *_stat(p)) for p in self.paths]
         options = {k: getattr(self, k) for k in ("format", "text_field", "join_rows", "document_separator")}
         options |= {"encoding_errors": self.encoding_errors, "limit": self.limit}
@@ -107,9 +108,9 @@ class DataSpec:
         return self.paths[0] if len(self.paths) == 1 else f"{len(self.paths)} files from {self.paths[0]}"
 
 
-def _stat(path: str) -> tuple[int, int]:
+def _stat(path: str) -> tuple[int, int, int]:
     st = os.stat(path)
-    return st.st_size, st.st_mtime_ns
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _inner_suffix(path: str) -> str:
@@ -206,17 +207,46 @@ def _texts(spec: DataSpec, batch_size: int) -> Iterator[list[str]]:
             "(or ignore)"
         ) from None
     except (OSError, EOFError, ValueError) as err:
-        bad = next(((p, e) for p in spec.paths if (e := _decompress_error(p)) is not None), None)
-        if bad is None:
+        if isinstance(err, LitPplError):
             raise
-        raise LitPplError(f"data.path file {bad[0]} is not a valid {Path(bad[0]).suffix} file: {bad[1]}") from err
+        bad = next(((p, e) for p in spec.paths if (e := _decompress_error(p)) is not None), None)
+        if bad is not None:
+            raise LitPplError(f"data.path file {bad[0]} is not a valid {Path(bad[0]).suffix} file: {bad[1]}") from err
+        if type(err).__name__ != "ArrowInvalid":  # pyarrow's word for a file it cannot parse
+            raise
+        where = _unreadable(spec, kwargs) or spec.describe()
+        raise LitPplError(f"data.path file {where} cannot be read as {spec.builder}: {first_line(err)}") from None
+
+
+def _unreadable(spec: DataSpec, kwargs: dict[str, Any]) -> str | None:
+    """The first file that cannot be read alone (looked for only once reading all of them failed)."""
+    import datasets
+
+    for path in spec.paths:
+        try:
+            ds = datasets.load_dataset(spec.builder, data_files=[path], split="train", streaming=True, **kwargs)
+            for _ in ds.iter(batch_size=1024):
+                pass
+        except Exception:
+            return path
+    return None
 
 
 def _column(batches: Iterator[dict[str, list]], spec: DataSpec, where: str) -> Iterator[list[str]]:
+    row = 0
     for batch in batches:
         if spec.text_field not in batch:
             raise LitPplError(f"data.text_field={spec.text_field!r} is not a column of {where}; it has {sorted(batch)}")
-        yield batch[spec.text_field]
+        texts = batch[spec.text_field]
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                what = "missing or null" if text is None else f"{type(text).__name__} {str(text)[:40]!r}"
+                raise LitPplError(
+                    f"row {row + i} of {where}: data.text_field={spec.text_field!r} is {what}, not text; every row "
+                    "needs a string there (or choose another data.text_field)"
+                )
+        row += len(texts)
+        yield texts
 
 
 def _chunks(path: str) -> Iterator[bytes]:

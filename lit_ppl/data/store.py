@@ -10,32 +10,30 @@ A store is a directory ``<cache>/tokens/<key>`` holding
 No rank holds the corpus as Python objects or as a private copy: a window reads only its own pages.
 
 Building is done by one process per store, whichever node it runs on: the builder holds ``<key>.lock``
-(created with ``O_EXCL``, touched as batches are written), writes into a private temporary directory and renames
-it into place, so a reader sees a complete store or none, and two nodes sharing the cache directory cannot
-corrupt it. Others wait as long as the lock shows progress; a lock unchanged for the timeout (its builder died
-or hangs) is taken over.
+(created with ``O_EXCL``, touched every few seconds while it lives), writes into a private temporary directory and
+renames it into place, so a reader sees a complete store or none, and two nodes sharing the cache directory cannot
+corrupt it. Others wait as long as the lock is touched; a lock unchanged for the timeout (its builder died) is
+taken over, and a builder removes only its own lock. Tokenizing workers die with their builder, and the next
+builder removes the temporary directories of dead ones.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import socket
 import sys
+import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 
 import numpy as np
 
-from lit_ppl.data.sources import DataSpec, documents
+from lit_ppl.data.sources import DataSpec
+from lit_ppl.data.tokenize import encoded_batches, processes
 from lit_ppl.data.windows import doc_offsets
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.tokenizer import Tokenizer
@@ -83,10 +81,37 @@ class Corpus:
 
     @classmethod
     def open(cls, directory: Path) -> Corpus:
-        meta = json.loads((directory / "meta.json").read_text())
-        docs = np.load(directory / "documents.npy")
+        """The store at ``directory``, checked against itself first: a store edited, truncated or half-deleted
+        after it was built is one line naming the directory to delete, never a wrong number."""
+        try:
+            meta = json.loads((directory / "meta.json").read_text())
+            docs = np.load(directory / "documents.npy", allow_pickle=False)
+            problem = _inconsistency(directory, meta, docs)
+        except (OSError, ValueError, KeyError, TypeError) as err:  # JSONDecodeError is a ValueError
+            problem = f"{type(err).__name__}: {err}"
+        if problem:
+            raise LitPplError(
+                f"the token store {directory} is damaged ({problem}); delete that directory and it is rebuilt"
+            )
         tokens = np.memmap(directory / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["tokens"],))
         return cls(tokens, docs[:, 0], docs[:, 1], docs[:, 2], meta["max_token"])
+
+
+def _inconsistency(directory: Path, meta: dict, docs: np.ndarray) -> str | None:
+    """What does not add up between ``meta.json``, ``documents.npy`` and ``tokens.bin`` (``None``: all of it)."""
+    if meta.get("version") != VERSION or meta.get("dtype") not in ("uint16", "uint32"):
+        return f"meta.json says version {meta.get('version')!r}, dtype {meta.get('dtype')!r}"
+    n_tokens, n_docs = int(meta["tokens"]), int(meta["documents"])
+    if docs.ndim != 2 or docs.shape != (n_docs, 3) or docs.dtype != np.int64:
+        return f"documents.npy is {docs.dtype} {docs.shape}, meta.json says {n_docs} documents"
+    if int(docs[:, 0].sum()) + n_docs != n_tokens or (docs[:, 0] <= 0).any():
+        return f"documents.npy's {int(docs[:, 0].sum()):,} tokens (+1 BOS each) are not meta.json's {n_tokens:,}"
+    size, expected = (directory / "tokens.bin").stat().st_size, n_tokens * np.dtype(meta["dtype"]).itemsize
+    if size != expected:
+        return f"tokens.bin holds {size:,} bytes, {n_tokens:,} {meta['dtype']} tokens take {expected:,}"
+    if int(meta["max_token"]) >= np.iinfo(meta["dtype"]).max + 1:
+        return f"meta.json's max_token {meta['max_token']} does not fit {meta['dtype']}"
+    return None
 
 
 def check_nonempty(lengths: np.ndarray, first_doc: int) -> None:
@@ -110,12 +135,14 @@ def prepare(spec: DataSpec, tokenizer: Tokenizer, timeout_s: float = 300.0, prog
     lock = final.with_name(final.name + ".lock")
     seen: tuple[int, float] | None = None  # the lock's mtime and when it last changed, by this process's clock
     while not (final / "meta.json").is_file():
-        if _take(lock):
+        token = _take(lock)
+        if token is not None:
             try:
                 if not (final / "meta.json").is_file():  # another builder may have finished meanwhile
+                    _remove_stale_builds(final, timeout_s)
                     _build_locked(spec, tokenizer, final, lock, progress, timeout_s)
             finally:
-                lock.unlink(missing_ok=True)
+                _release(lock, token)
             break
         try:
             st = lock.stat()
@@ -136,14 +163,54 @@ def prepare(spec: DataSpec, tokenizer: Tokenizer, timeout_s: float = 300.0, prog
     return final
 
 
-def _take(lock: Path) -> bool:
-    lock.parent.mkdir(parents=True, exist_ok=True)
+def _take(lock: Path) -> str | None:
+    """Create ``lock`` if no one holds it; return what it says (this builder's token), else ``None``."""
     try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
-        return False
-    os.write(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
+        return None
+    except OSError as err:  # read-only, full, or a file where a directory should be
+        raise LitPplError(
+            f"cannot write the token store under {lock.parent.parent} ({err.strerror or err}); set data.cache_dir "
+            "(or $LIT_PPL_CACHE) to a writable directory, or build the store there with python -m lit_ppl.fetch"
+        ) from None
+    token = f"{socket.gethostname()} pid {os.getpid()} at {time.time_ns()}"
+    os.write(fd, (token + "\n").encode())
     os.close(fd)
+    return token
+
+
+def _release(lock: Path, token: str) -> None:
+    """Remove ``lock`` only if it is still ours: a builder that took over a lock it thought stale owns it now."""
+    try:
+        if lock.read_text().strip() == token:
+            lock.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+
+
+def _remove_stale_builds(final: Path, timeout_s: float) -> None:
+    """Temporary directories of builders that died (``<key>.tmp-HOST-PID``): this host's whose process is gone, any
+    host's untouched for longer than the lock's timeout. Only the lock's holder calls this."""
+    host = socket.gethostname()
+    for tmp in final.parent.glob(f"{final.name}.tmp-*"):
+        owner_host, _, pid = tmp.name.removeprefix(f"{final.name}.tmp-").rpartition("-")
+        try:
+            gone = owner_host == host and pid.isdigit() and not _alive(int(pid))
+            if gone or time.time() - tmp.stat().st_mtime > timeout_s + 60:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except FileNotFoundError:
+            continue
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
     return True
 
 
@@ -158,112 +225,30 @@ def _build_locked(
     spec: DataSpec, tokenizer: Tokenizer, final: Path, lock: Path, progress: bool, timeout_s: float
 ) -> None:
     tmp = final.with_name(f"{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    touched = time.monotonic()
-
-    def heartbeat() -> None:  # after each batch written: the lock's mtime is the build's progress
-        nonlocal touched
-        if time.monotonic() - touched > min(10.0, timeout_s / 4):
-            os.utime(lock)
-            touched = time.monotonic()
-
+    # The lock's mtime says this builder is alive: touched by a thread, so that one long batch (a large file read as
+    # one document) never makes it look stale to a waiting process.
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(lock, min(10.0, timeout_s / 4), stop), daemon=True)
+    beat.start()
     try:
-        build(spec, tokenizer, tmp, progress, heartbeat)
+        build(spec, tokenizer, tmp, progress)
         try:
             os.rename(tmp, final)
         except OSError:  # a builder that took over our lock got there first: its store is as good
             if not (final / "meta.json").is_file():
                 raise
     finally:
+        stop.set()
+        beat.join()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def encode_batch(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """``[BOS] + tokens`` of each text, flat in ``dtype``, and each text's ``(tokens, words, bytes)``.
-
-    Words and bytes follow lm-evaluation-harness: ``len(re.split(r"\\s+", doc))`` and the UTF-8 length.
-    """
-    ids = tokenizer.encode(texts)
-    counts = np.asarray(
-        [(len(x), len(re.split(r"\s+", t)), len(t.encode("utf-8"))) for x, t in zip(ids, texts, strict=True)],
-        dtype=np.int64,
-    ).reshape(-1, 3)
-    body = np.concatenate([np.asarray(x, dtype=np.int64) for x in ids]) if ids else np.zeros(0, np.int64)
-    if len(body) and int(body.max()) > np.iinfo(dtype).max:
-        raise LitPplError(f"token id {int(body.max())} does not fit {dtype}: the tokenizer's vocab_size is too small")
-    bos = doc_offsets(counts[:, 0])
-    flat = np.empty(len(body) + len(ids), dtype=dtype)
-    flat[bos] = tokenizer.context_id
-    keep = np.ones(len(flat), dtype=bool)
-    keep[bos] = False
-    flat[keep] = body
-    return flat, counts
-
-
-_WORKER: tuple[Tokenizer, np.dtype] | None = None
-
-
-def _init_worker(tokenizer: Tokenizer, dtype: np.dtype) -> None:
-    global _WORKER
-    _WORKER = (tokenizer, dtype)
-
-
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    assert _WORKER is not None
-    return encode_batch(_WORKER[0], texts, _WORKER[1])
-
-
-@contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
-SMALL_BYTES = 16 << 20  # below this, starting processes costs more than it saves
-
-
-def processes(spec: DataSpec) -> int:
-    """Tokenizing processes: ``data.num_proc`` if set; else the CPUs this process may use (a Slurm allocation's),
-    or one for a small local corpus."""
-    if spec.num_proc is not None:
-        return spec.num_proc
-    if spec.paths and sum(os.path.getsize(p) for p in spec.paths) < SMALL_BYTES:
-        return 1
-    return len(os.sched_getaffinity(0))
-
-
-def _encoded(spec: DataSpec, tokenizer: Tokenizer, dtype: np.dtype) -> Iterator[tuple[list[str], tuple]]:
-    """Each batch of documents with its encoding, in order; with ``num_proc > 1`` encoded by a pool of processes,
-    at most two batches per process in flight so that memory does not grow with the corpus."""
-    batches = documents(spec, batch_size=64)  # a batch's encodings take ~100x its text in memory: keep it small
-    workers = processes(spec)
-    # num_proc is the parallelism: each process one thread (the Rust tokenizer would otherwise use every core in
-    # every process, and its spinning threads fight). Spawned workers inherit the variable.
-    with _env("TOKENIZERS_PARALLELISM", "false"):
-        if workers == 1:
-            for texts in batches:
-                yield texts, encode_batch(tokenizer, texts, dtype)
+def _heartbeat(lock: Path, every_s: float, stop: threading.Event) -> None:
+    while not stop.wait(every_s):
+        try:
+            os.utime(lock)
+        except FileNotFoundError:  # taken over (we looked stale after all): the other builder's lock is its own
             return
-        # fork where there is one: spawned workers would import the parent's main module (lit_ppl.validate, hence
-        # Lightning and torch: seconds per worker). A forked worker only runs the tokenizer and numpy, never the
-        # parent's threads (torch, gloo), and TOKENIZERS_PARALLELISM keeps the Rust tokenizer off its thread pool.
-        ctx = get_context("fork" if "fork" in get_all_start_methods() else "spawn")
-        with ProcessPoolExecutor(workers, ctx, initializer=_init_worker, initargs=(tokenizer, dtype)) as pool:
-            pending: deque[tuple[list[str], Future]] = deque()
-            for texts in batches:
-                pending.append((texts, pool.submit(_encode_in_worker, texts)))
-                if len(pending) >= 2 * workers:
-                    texts, done = pending.popleft()
-                    yield texts, done.result()
-            while pending:
-                texts, done = pending.popleft()
-                yield texts, done.result()
 
 
 def build(
@@ -279,10 +264,12 @@ def build(
     dtype = token_dtype(tokenizer.vocab_size)
     counts: list[np.ndarray] = []
     n_tokens = max_token = n_docs = 0
+    has_text = False  # a corpus of whitespace alone would be scored as if it were text
     bar, t0 = None, time.monotonic()
     with open(directory / "tokens.bin", "wb") as out:
-        for texts, (flat, doc_counts) in _encoded(spec, tokenizer, dtype):
+        for texts, (flat, doc_counts) in encoded_batches(spec, tokenizer, dtype):
             check_nonempty(doc_counts[:, 0], n_docs)
+            has_text = has_text or any(t.strip() for t in texts)
             out.write(flat.tobytes())
             counts.append(doc_counts)
             n_tokens, n_docs = n_tokens + len(flat), n_docs + len(texts)
@@ -300,6 +287,8 @@ def build(
         bar.close()
     if n_docs == 0:
         raise LitPplError(f"{spec.describe()} has no documents")
+    if not has_text:
+        raise LitPplError(f"{spec.describe()} holds only whitespace: there is no text to score")
     np.save(directory / "documents.npy", np.concatenate(counts))
     meta = {
         "version": VERSION,

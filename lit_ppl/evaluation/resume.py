@@ -31,14 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lit_ppl.data.batch_plan import BatchPlan
 from lit_ppl.errors import LitPplError
-from lit_ppl.parallel.ranks import control_group, peers_alive
+from lit_ppl.parallel.ranks import control_group, first_line, peers_alive
 from lit_ppl.runtime.files import atomic_path
 
 _FILE = re.compile(r"rank(\d+)-step(\d+)\.pt$")
@@ -129,16 +128,27 @@ class ResumeCallback(Callback):
         for old in sorted(self._files(rank))[:-2]:
             self._files(rank)[old].unlink(missing_ok=True)
 
+    @staticmethod
+    def _read(path: Path) -> dict[str, Any] | None:
+        """A progress file's state, or ``None`` (said in one line) for one that cannot be read: truncated by a full
+        disk, or holding objects ``weights_only`` refuses. The older file kept beside it is used instead."""
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError... for a bad file
+            print(f"lit-ppl: ignoring progress file {path}: it cannot be read ({first_line(err)})", file=sys.stderr)
+            return None
+
     # -- hooks ---------------------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         dm = trainer.datamodule  # set up already: Lightning runs the datamodule's setup before the callbacks'
-        w = dm.windows
         # The token store's key names the files (path, size, mtime) and the tokenizer, wherever the cache is.
-        data = hashlib.sha256((dm.store.name if dm.store is not None else "").encode())
-        for a in (w.start, w.end, w.score_from):
-            data.update(memoryview(np.ascontiguousarray(a)))  # no joined copy: 24 bytes per window
-        self.fp = fingerprint({**self.config, "world_size": trainer.world_size}, data.hexdigest()[:16])
-        mine = self._files(trainer.global_rank)
+        data = f"{dm.store.name if dm.store is not None else ''}:{dm.windows_digest()}"
+        self.fp = fingerprint({**self.config, "world_size": trainer.world_size}, data)
+        mine, states = {}, {}
+        for step, path in self._files(trainer.global_rank).items():
+            state = self._read(path)
+            if state is not None:
+                mine[step], states[step] = path, state
         group = control_group()
         everyone = [None] * trainer.world_size
         if group is not None:
@@ -150,7 +160,7 @@ class ResumeCallback(Callback):
         if not common:
             return
         step = max(common)
-        state = torch.load(mine[step], map_location="cpu", weights_only=True)
+        state = states[step]
         if state["fingerprint"] != self.fp or state["world_size"] != trainer.world_size:
             raise LitPplError(
                 f"{self.dir} holds progress of a different run (configuration, data or world size "

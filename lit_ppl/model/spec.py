@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -107,6 +108,43 @@ class ModelSpec:
         if any(n.endswith(".safetensors") for n in names):
             ignore.append("*.bin")
         return snapshot_download(self.path, revision=self.revision, ignore_patterns=ignore)
+
+    def files(self) -> list[tuple[str, int, int, int]]:
+        """Every file of the checkpoint (a hub id's cached snapshot) as ``(name, size, mtime_ns, ctime_ns)``, from
+        ``stat`` alone: which weights these are, at no cost whatever their size. Empty for the built-in model or a
+        hub id not in the cache."""
+        if self.is_builtin:
+            return []
+        root = Path(self.path).expanduser()
+        if not root.is_dir():
+            try:
+                from huggingface_hub import snapshot_download
+
+                root = Path(snapshot_download(self.path, revision=self.revision, local_files_only=True))
+            except Exception:  # not cached: from_pretrained will say so
+                return []
+        out = []
+        for f in sorted(root.rglob("*")):
+            if f.is_file() and not any(part.startswith(".") for part in f.relative_to(root).parts):
+                st = f.stat()  # through a hub snapshot's symlinks: the blob's own times
+                out.append((str(f.relative_to(root)), st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        return out
+
+    def identity(self, times: bool = True) -> dict[str, Any]:
+        """The checkpoint's identity for ``results.json`` and for resume: a digest of :meth:`files` (with their
+        times: an edited or replaced file changes it, even one given the old mtime back, since ``touch`` cannot
+        reset a ctime) or, ``times=False``, of names and sizes only (what copies on other nodes share)."""
+        import hashlib
+        import json
+
+        files = self.files() if times else [f[:2] for f in self.files()]
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "path"}
+        blob = json.dumps({"fields": fields, "files": files}, sort_keys=True).encode()
+        return {
+            "digest": hashlib.sha256(blob).hexdigest()[:20],
+            "files": len(files),
+            "bytes": sum(f[1] for f in files),
+        }
 
     def limits(self) -> tuple[int, int | None]:
         """``(vocab_size, max_positions)`` from the model's config, without loading its weights."""

@@ -79,19 +79,31 @@ class Layout:
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "kind": self.kind}
 
     def check_model(self, sizes: dict[str, int | None]) -> None:
-        """``tp`` must divide every number in ``sizes`` (heads, MLP width); one line naming the numbers."""
+        """``tp`` must divide every number in ``sizes`` (heads, MLP width), except the key/value heads, which it may
+        also be a multiple of (each KV head is then replicated: :mod:`lit_ppl.parallel.tensor_parallel`); one line
+        naming the number and the tp values that work."""
         if self.tp == 1:
             return
         for what, n in sizes.items():
-            if n is not None and n % self.tp:
+            if n is not None and not fits(what, n, self.tp):
+                valid = [d for d in range(2, max(v for v in sizes.values() if v) + 1) if works(sizes, d)][:6]
+                kv = " (nor is a multiple of)" if what == KV_HEADS else ""
                 raise LitPplError(
-                    f"parallel.tp={self.tp} does not divide the model's {n} {what}; use a tp that divides "
-                    f"{n} (e.g. {', '.join(str(d) for d in divisors(n) if d > 1)})"
+                    f"parallel.tp={self.tp} does not divide{kv} the model's {n} {what}; tp values that fit this model: "
+                    f"{', '.join(map(str, valid)) if valid else 'none but 1 (use strategy=fsdp)'}"
                 )
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0][:6]
+KV_HEADS = "key/value heads"
+
+
+def fits(what: str, n: int, tp: int) -> bool:
+    """Whether ``tp`` ranks can split ``n`` of ``what``: divide them, or for KV heads also replicate each."""
+    return n % tp == 0 or (what == KV_HEADS and tp % n == 0)
+
+
+def works(sizes: dict[str, int | None], tp: int) -> bool:
+    return all(n is None or fits(what, n, tp) for what, n in sizes.items())
 
 
 def resolve(

@@ -81,6 +81,28 @@ def check_peers(group: dist.ProcessGroup | None, timeout_s: float, where: str) -
         ) from err
 
 
+# What the transports say when the other end of a collective went away (gloo raises a plain RuntimeError from inside
+# FSDP's and DTensor's collectives; NCCL a DistBackendError).
+_PEER_GONE = (
+    "gloo/transport/",
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "NCCL communicator was aborted",
+)
+
+
+def peer_failure(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) is a collective that failed because another rank is gone."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, dist.DistError) or (
+            isinstance(seen, RuntimeError) and any(m in str(seen) for m in _PEER_GONE)
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def first_line(err: BaseException) -> str:
     """The first non-empty line of an exception's message (torch's collective errors span pages)."""
     for line in str(err).splitlines():

@@ -100,14 +100,16 @@ def materialize(module: nn.Module, device: torch.device) -> None:
 
 
 def kept_region(
-    shape: tuple[int, ...], target: torch.Tensor, dim: int | None, tp: Group | None
+    shape: tuple[int, ...], target: torch.Tensor, dim: int | tuple[int, int, int] | None, tp: Group | None
 ) -> tuple[list[int], list[int]]:
     """``(start, size)`` per dim of the part of a full tensor of ``shape`` that ``target`` holds on this rank:
-    its tensor-parallel slice along ``dim``, then FSDP's shard of that slice."""
+    its tensor-parallel slice along ``dim`` (part ``index`` of ``parts`` when ``dim`` is ``(dim, parts, index)``: a
+    replicated KV head), then FSDP's shard of that slice."""
     start, size = [0] * len(shape), list(shape)
     if tp is not None and dim is not None:
-        sizes = split_sizes(shape[dim], tp.size)
-        start[dim], size[dim] = sum(sizes[: tp.rank]), sizes[tp.rank]
+        dim, parts, index = dim if isinstance(dim, tuple) else (dim, tp.size, tp.rank)
+        sizes = split_sizes(shape[dim], parts)
+        start[dim], size[dim] = sum(sizes[:index]), sizes[index]
     if isinstance(target, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -116,7 +118,9 @@ def kept_region(
     return start, list(size)
 
 
-def load_from_rank0(lm: nn.Module, full: dict[str, torch.Tensor], splits: dict[str, int], tp: Group | None) -> None:
+def load_from_rank0(
+    lm: nn.Module, full: dict[str, torch.Tensor], splits: dict[str, int | tuple[int, int, int]], tp: Group | None
+) -> None:
     """Fill ``lm``'s (split, possibly FSDP-sharded) tensors from rank 0's ``full`` state dict.
 
     ``full`` is empty on the other ranks and consumed on rank 0. Tensors cross in blocks of rows of at most

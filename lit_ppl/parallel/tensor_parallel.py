@@ -27,8 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_ppl.errors import LitPplError
+from lit_ppl.parallel.layout import KV_HEADS
 
 STYLES = ("colwise", "rowwise")
+KV_PROJECTIONS = ("k_proj", "v_proj")  # column-parallel layers whose output is the key/value heads
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,8 @@ def check_plan(cfg: object) -> dict[str, str]:
             f"model_type {cfg.model_type!r} declares no tensor-parallel plan (config.base_model_tp_plan), so lit-ppl "
             "cannot split its layers; use parallel.tp=1 (e.g. strategy=fsdp)"
         )
+    # Layers a plan keeps whole on every rank (Gemma 3's per-head q/k norms): nothing to split.
+    tp_plan = {k: v for k, v in tp_plan.items() if not v.startswith("replicated")}
     bad = sorted({s for s in tp_plan.values() if s not in STYLES})
     if bad:
         raise LitPplError(
@@ -135,19 +139,38 @@ def widths(config: object) -> dict[str, int | None]:
     heads = getattr(cfg, "num_attention_heads", None)
     return {
         "attention heads": heads,
-        "key/value heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        KV_HEADS: getattr(cfg, "num_key_value_heads", None) or heads,
         "MLP width (intermediate_size)": getattr(cfg, "intermediate_size", None),
     }
 
 
-def _shard_param(module: nn.Module, name: str, dim: int, tp: Group) -> None:
+def _shard_param(module: nn.Module, name: str, dim: int, tp: Group, parts: int = 0, index: int = 0) -> None:
+    """Keep this rank's slice of ``module.name`` along ``dim``: part ``tp.rank`` of ``tp.size``, or (a replicated
+    KV head) part ``index`` of ``parts``."""
     param = getattr(module, name)
     if param is not None:
-        setattr(module, name, nn.Parameter(split(param.data, dim, tp).clone(), requires_grad=False))
+        piece = param.data.tensor_split(parts, dim)[index] if parts else split(param.data, dim, tp)
+        setattr(module, name, nn.Parameter(piece.clone(), requires_grad=False))
 
 
-def parallelize(lm: nn.Module, tp: Group) -> dict[str, int]:
-    """Split ``lm`` in place (meta or real parameters); return ``{parameter name: split dim}`` for loading.
+def _text_config(lm: nn.Module) -> object:
+    return lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+
+
+def _kv_replication(lm: nn.Module, tp: Group) -> tuple[int, int] | None:
+    """``(KV heads, this rank's KV head)`` when ``tp`` exceeds the model's key/value heads (each then serves
+    ``tp / kv`` consecutive ranks, whose query heads all read it), else ``None``."""
+    cfg = _text_config(lm)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if kv is None or tp.size <= kv:
+        return None
+    return kv, tp.rank // (tp.size // kv)
+
+
+def parallelize(lm: nn.Module, tp: Group) -> dict[str, int | tuple[int, int, int]]:
+    """Split ``lm`` in place (meta or real parameters); return ``{parameter name: split dim}`` for loading, or
+    ``(dim, parts, index)`` for a replicated KV head's projection.
 
     Planned linear layers split as planned; the input embedding and the output head split along the vocabulary
     (their weights' dim 0). A tied head and embedding stay one parameter.
@@ -156,10 +179,21 @@ def parallelize(lm: nn.Module, tp: Group) -> dict[str, int]:
     modules = dict(lm.named_modules())
     embed, head = lm.get_input_embeddings(), lm.get_output_embeddings()
     tied = head is not None and head.weight is embed.weight
-    splits: dict[str, int] = {}
+    splits: dict[str, int | tuple[int, int, int]] = {}
+    replicated = _kv_replication(lm, tp)
     for name, style in styles.items():
         module = modules[name]
-        if style == "colwise":
+        parent, _, leaf = name.rpartition(".")
+        if style == "colwise" and replicated is not None and leaf in KV_PROJECTIONS:
+            kv, index = replicated  # this rank's KV head, whole: part index of kv
+            _shard_param(module, "weight", 0, tp, kv, index)
+            _shard_param(module, "bias", 0, tp, kv, index)
+            module.out_features = module.weight.shape[0]
+            splits.update({f"{name}.weight": (0, kv, index), f"{name}.bias": (0, kv, index)})
+            attention = modules[parent]
+            if hasattr(attention, "num_key_value_groups"):  # the rank's query heads per KV head it holds
+                attention.num_key_value_groups = _text_config(lm).num_attention_heads // tp.size
+        elif style == "colwise":
             _shard_param(module, "weight", 0, tp)
             _shard_param(module, "bias", 0, tp)
             module.out_features = module.weight.shape[0]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_ppl.config.quant import quant_node
 from lit_ppl.config.values import GROUP_SIZES, INT4_BACKENDS, QUANT_METHODS, QUANT_SCHEMES, QUANT_SOURCES
 from lit_ppl.errors import LitPplError
 from lit_ppl.quant.targets import ROLES, Target, find_targets, foreign_forward
@@ -72,23 +73,23 @@ class Rule:
 
 def rules_from_cfg(cfg: dict[str, Any]) -> list[Rule]:
     """The ordered rules of a ``quant`` config: one catch-all rule for ``int8``/``int8dq``/``int4``, or ``rules``."""
-    name = cfg.get("name", "none")
-    method = cfg.get("method", "rtn")
+    cfg = quant_node(cfg)  # every key, the schema's defaults filled in
+    name, method = cfg["name"], cfg["method"]
     if name == "policy":
         rules = []
-        for i, r in enumerate(cfg.get("rules") or []):
+        for i, r in enumerate(cfg["rules"] or []):
             if ("match" in r) == ("role" in r):
                 raise LitPplError(f"quant.rules[{i}] needs exactly one of 'match' (a regex) or 'role', got {r}")
             if r.get("role") is not None and r["role"] not in ROLES:
                 raise LitPplError(f"quant.rules[{i}].role={r['role']!r} is not one of {', '.join(ROLES)}")
-            scheme = Scheme(r.get("config", "none"), r.get("group_size", cfg.get("group_size")))
+            scheme = Scheme(r.get("config", "none"), r.get("group_size", cfg["group_size"]))
             why = f"rule {i} ({r.get('role') or r.get('match')})"
             rules.append(Rule(scheme, r.get("match"), r.get("role"), why, r.get("method", method)))
         if not rules:
             raise LitPplError("quant=policy needs quant.rules: a list of {role|match, config[, group_size]}")
         return rules
-    scheme = Scheme(name, cfg.get("group_size") if name == "int4" else None)
-    keep_head = [] if cfg.get("head", False) else [Rule(NONE, role="head", why="output head kept (quant.head=false)")]
+    scheme = Scheme(name, cfg["group_size"] if name == "int4" else None)
+    keep_head = [] if cfg["head"] else [Rule(NONE, role="head", why="output head kept (quant.head=false)")]
     return [*keep_head, Rule(scheme, role="linear", why=f"quant={name}", method=method)]
 
 

@@ -28,6 +28,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         raise OSError(err.errno, err.strerror, str(path)) from err
     os.close(fd)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide results from others on shared storage
         yield Path(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -35,6 +36,12 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it: set and restore
+    os.umask(mask)
+    return mask
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

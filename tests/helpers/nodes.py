@@ -35,16 +35,28 @@ def free_port() -> int:
 
 
 def launch(
-    args: list[str], cwd: Path, nodes: int = 2, per_node: int = 1, cgroups: dict[int, Path] | None = None
+    args: list[str],
+    cwd: Path,
+    nodes: int = 2,
+    per_node: int = 1,
+    cgroups: dict[int, Path] | None = None,
+    node_args: dict[int, list[str]] | None = None,
 ) -> list[subprocess.Popen]:
-    """``python -m lit_ppl.validate ARGS`` as ``nodes`` torchrun launches; node ``k`` runs in ``cgroups[k]``."""
+    """``python -m lit_ppl.validate ARGS`` as ``nodes`` torchrun launches; node ``k`` runs in ``cgroups[k]`` and
+    adds ``node_args[k]`` to its command line."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
     procs = []
     for node in range(nodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node)]
         cmd += ["--nproc_per_node", str(per_node), "--master_addr", "127.0.0.1", "--master_port", str(port)]
-        cmd += ["-m", "lit_ppl.validate", *args, f"hydra.run.dir={cwd / f'node{node}'}"]
+        cmd += [
+            "-m",
+            "lit_ppl.validate",
+            *args,
+            *(node_args or {}).get(node, []),
+            f"hydra.run.dir={cwd / f'node{node}'}",
+        ]
         group = (cgroups or {}).get(node)
         if group is not None:  # the shell joins the cgroup, then becomes torchrun: its ranks inherit the quota
             cmd = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *cmd]

@@ -92,18 +92,28 @@ CONFIGS: dict[str, dict] = {
         "kv_lora_rank": 16,
         "dim_model_base": 16,  # logits_scaling = hidden_size / dim_model_base = 4
     },
+    # One key/value head (Gemma 3 270m/1B's shape) and multi-query attention: tensor parallelism replicates the KV
+    # head on every rank of the group (tp exceeds the KV heads).
+    "gemma3_text": {**LLAMA_LIKE, "head_dim": 16, "num_key_value_heads": 1, "sliding_window": 16},
+    "llama_mqa": {**LLAMA_LIKE, "num_key_value_heads": 1},
 }
 ARCHITECTURES = tuple(CONFIGS)
+MODEL_TYPES = {"llama_mqa": "llama"}  # variants of a family under their own name
+
+
+def model_type(arch: str) -> str:
+    return MODEL_TYPES.get(arch, arch)
 
 
 def build(model_type: str, root: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """Save a tiny random ``model_type`` causal LM with the tokenizer of ``tokenizer_dir`` under ``root``."""
+    """Save a tiny random ``model_type`` causal LM (an entry of :data:`CONFIGS`) with the tokenizer of
+    ``tokenizer_dir`` under ``root``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = root / model_type
     if (out / "config.json").is_file():
         return out
-    config = AutoConfig.for_model(model_type, **COMMON, **CONFIGS[model_type])
+    config = AutoConfig.for_model(MODEL_TYPES.get(model_type, model_type), **COMMON, **CONFIGS[model_type])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
