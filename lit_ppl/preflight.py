@@ -173,6 +173,8 @@ def preflight(cfg: DictConfig) -> Plan:
         )
     quantize.check_layout(quant, layout)
     autobatch.check_layout(typed.batch_size, layout)
+    if typed.batch_size == "auto":
+        autobatch.read_cache(Path(typed.autobatch.cache).expanduser())  # one it would overwrite is refused now
     batch = BatchPlan(typed.batch_size, dist.balance, dist.weights, dataclasses.asdict(typed.autobatch))
     breakdown = bool(typed.report.per_document) or typed.report.plots
     data = construct(plain["data"])

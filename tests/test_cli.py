@@ -119,8 +119,11 @@ def test_config_file_then_flags(tmp_path):
 
 
 def test_trainer_args_pass_through_and_owned_ones_refuse():
-    cfg = cli_config("--trainer.limit_val_batches=2", "--trainer.strategy=ddp", "--trainer.devices=2", "--output_dir=x")
-    assert cfg["trainer"] == {"accelerator": "auto", "devices": 2, "num_nodes": 1, "limit_val_batches": 2}
+    cfg = cli_config("--trainer.log_every_n_steps=5", "--trainer.strategy=ddp", "--trainer.devices=2", "--output_dir=x")
+    assert cfg["trainer"] == {"accelerator": "auto", "devices": 2, "num_nodes": 1, "log_every_n_steps": 5}
+    # A partial evaluation is refused by the schema, as under python -m lit_ppl.validate (tests/test_hostile.py).
+    with pytest.raises(ValueError, match=re.escape("trainer.limit_val_batches=2 would score part of the corpus")):
+        cli_config("--trainer.limit_val_batches=2")
     assert cfg["strategy"] == {"name": "ddp"}
     with pytest.raises(ValueError, match=re.escape("--trainer.strategy='deepspeed' is not one of auto, ddp")):
         cli_config("--trainer.strategy=deepspeed")

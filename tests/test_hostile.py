@@ -332,3 +332,25 @@ def test_output_dir_alone_keeps_hydra_out_of_the_working_directory():
     assert with_run_dir(["output_dir=/o", "x=1"]) == ["output_dir=/o", "x=1", "hydra.run.dir=/o"]
     assert with_run_dir(["output_dir=/o", "hydra.run.dir=/h"]) == ["output_dir=/o", "hydra.run.dir=/h"]
     assert with_run_dir(["-m", "output_dir=/o"]) == ["-m", "output_dir=/o"] and with_run_dir(["x=1"]) == ["x=1"]
+
+
+def test_an_autobatch_cache_that_is_another_file_is_refused_untouched(compose, tmp_path):
+    from lit_ppl.run import evaluate
+
+    precious = tmp_path / "notes.txt"
+    precious.write_text("not a cache\n")
+    with pytest.raises(ValueError, match=r"autobatch.cache='.*notes.txt' exists and is not lit-ppl's batch-size"):
+        evaluate(compose("batch_size=auto", f"autobatch.cache={precious}"))
+    assert precious.read_text() == "not a cache\n"
+
+
+def test_a_progress_file_with_objects_weights_only_refuses_is_skipped_in_one_line(tmp_path, capsys):
+    import torch
+
+    from lit_ppl.evaluation.resume import ResumeCallback
+
+    path = tmp_path / "rank0-step5.pt"
+    torch.save({"fingerprint": "x", "payload": Path("/etc")}, path)  # a Path: not an allowed global
+    assert ResumeCallback._read(path) is None
+    err = capsys.readouterr().err
+    assert err.startswith(f"lit-ppl: ignoring progress file {path}: it cannot be read") and err.count("\n") == 1

@@ -173,14 +173,6 @@ def check_step_count(key: str, value: Any) -> None:
 
 def check_trainer(key: str, value: Any) -> None:
     for name, given in (value or {}).items():
-        if name in PARTIAL_TRAINER_ARGS and not any(
-            given == unset and isinstance(given, bool) == isinstance(unset, bool)
-            for unset in PARTIAL_TRAINER_ARGS[name]
-        ):
-            raise ConfigError(
-                f"{key}.{name}={given!r} would score part of the corpus and still report the whole corpus's words, "
-                "bytes and documents; use data.limit=N (the first N documents, each scored whole)"
-            )
         if name in OWNED_TRAINER_ARGS:
             raise ConfigError(f"{key}.{name} is set by lit-ppl itself; leave it out")
         if name not in TRAINER_ARGS:
@@ -195,6 +187,14 @@ def check_trainer(key: str, value: Any) -> None:
         if not ok:
             wanted = " | ".join("null" if k is type(None) else k.__name__ for k in kinds)
             raise ConfigError(f"{key}.{name}={given!r} is not of type {wanted}")
+        if name in PARTIAL_TRAINER_ARGS and not any(
+            given == unset and isinstance(given, bool) == isinstance(unset, bool)
+            for unset in PARTIAL_TRAINER_ARGS[name]
+        ):
+            raise ConfigError(
+                f"{key}.{name}={given!r} would score part of the corpus and still report the whole corpus's words, "
+                "bytes and documents; use data.limit=N (the first N documents, each scored whole)"
+            )
 
 
 def check_logger(key: str, value: Any) -> None:

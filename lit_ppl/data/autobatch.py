@@ -140,10 +140,20 @@ def cache_key(**parts: Any) -> str:
 
 
 def read_cache(path: Path) -> dict[str, int]:
+    """The cache's entries (none if the file does not exist yet); a file that is not one refuses the run, since
+    writing an entry would replace it."""
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        entries = json.loads(path.read_text())
+    except FileNotFoundError:
         return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        entries = err
+    if not isinstance(entries, dict) or not all(isinstance(v, int) for v in entries.values()):
+        raise LitPplError(
+            f"autobatch.cache={str(path)!r} exists and is not lit-ppl's batch-size cache (a JSON object of batch "
+            "sizes), which batch_size=auto would overwrite; point autobatch.cache at a new file"
+        )
+    return entries
 
 
 def write_cache(path: Path, key: str, batch_size: int) -> None:

@@ -2,7 +2,7 @@
 
 ::
 
-    python -m lit_ppl.report.runs RUN_DIR [RUN_DIR ...] [--markdown OUT.md] [--csv OUT.csv] [--plots]
+    python -m lit_ppl.report RUN_DIR [RUN_DIR ...] [--markdown OUT.md] [--csv OUT.csv] [--plots]
 
 The first run is the baseline of the ΔPPL columns. Runs that share the model, the data, the window (mode, seq_len,
 stride), the precision and the quantization must give the same perplexity whatever their world size, strategy,
@@ -206,7 +206,7 @@ def write_plots(runs: Sequence[dict[str, Any]], out_dir: str | Path | None = Non
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m lit_ppl.report.runs",
+        prog="python -m lit_ppl.report",
         description="Compare runs' results.json; check that runs differing only in parallel layout agree.",
         epilog="exit status: 0 all agree, 1 a mismatch, 2 a run cannot be read",
     )

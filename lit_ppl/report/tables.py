@@ -1,4 +1,4 @@
-"""The tables of ``python -m lit_ppl.report.runs``: formatted cells, the terminal (Rich), Markdown and CSV.
+"""The tables of ``python -m lit_ppl.report``: formatted cells, the terminal (Rich), Markdown and CSV.
 
 The rows are :func:`lit_ppl.report.runs.compare_runs`'s (raw numbers); :func:`format_row` turns them into the text
 shown in the terminal and in Markdown alike, while CSV keeps the raw numbers. :func:`markdown_table` and
