@@ -4,8 +4,8 @@ The corpora are generated (seeded, reused when present) from the WikiText-2 vali
 consecutive paragraphs, one JSON line ``{"text": ...}`` each, in gzip shards of ~64 MB of text in a directory
 (``data.path=DIR``). stories260K's tokenizer and model; four figures, each side by side in one run:
 
-1. rank memory — each rank's peak RSS (``rank_peak_rss_mb`` of ``results.json``) of a 2-rank CPU run
-   (``strategy=ddp trainer.devices=2``, ``+trainer.limit_val_batches=2``: data preparation, not the loop) on the
+1. rank memory — each rank's peak RSS (``VmHWM`` once both ranks scored a batch) of a 2-rank CPU run
+   (``strategy=ddp trainer.devices=2``: data preparation and the first batch, not the loop) on the
    large corpus vs the small one, warm token store (target: at most 300 MB above); the cold run (rank 0 builds
    the store) is reported too;
 2. start-up — process start → first batch scored (``startup.py``'s ``--child``), warm store, medium vs small
@@ -151,13 +151,45 @@ def run(cmd: list[str], work: Path, what: str, extra_env: dict[str, str] | None 
 
 
 def validate_2ranks(args, corpus: Path, cache: Path, work: Path, name: str) -> dict:
-    """A 2-rank evaluation stopped after 2 batches; its results.json, wall time and whether it tokenized."""
+    """A 2-rank evaluation stopped once both ranks have scored a batch (each has saved progress after step 1): each
+    rank's peak RSS from ``/proc`` (``VmHWM``: data preparation and the first batch, not the whole loop), its wall
+    time and whether it tokenized. Stopped by the benchmark: lit-ppl refuses a partial run's results
+    (``trainer.limit_val_batches``), whose counts would be the whole corpus's."""
     out = work / "runs" / name
     shutil.rmtree(out, ignore_errors=True)
-    ov = overrides(args.model, corpus, cache, out, "strategy=ddp", "trainer.devices=2", "+trainer.limit_val_batches=2")
-    proc, wall = run([sys.executable, "-m", "lit_ppl.validate", *ov], work, name)
-    r = json.loads((out / "results.json").read_text())
-    return {"results": r, "wall": wall, "tokenized": "tokenizing" in proc.stderr}
+    ov = overrides(args.model, corpus, cache, out, "strategy=ddp", "trainer.devices=2", "resume.save_every=1")
+    log = work / f"{name}.stderr"
+    t0 = time.perf_counter()
+    with open(log, "w") as err:
+        cmd = [sys.executable, "-m", "lit_ppl.validate", *ov, "resume.check_every=1"]
+        proc = subprocess.Popen(
+            cmd, env=env(work), cwd=work, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+        )
+        try:
+            while not all((out / "progress" / f"rank{r}-step1.pt").exists() for r in (0, 1)):
+                if proc.poll() is not None:
+                    sys.exit(f"{name} failed:\n{log.read_text()[-3000:]}")
+                time.sleep(0.05)
+            wall = time.perf_counter() - t0
+            ranks = [
+                proc.pid,
+                *map(
+                    int, subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+                ),
+            ]
+            rss = [vm_of(pid, "VmHWM") for pid in ranks[:2]]
+        finally:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    return {"results": {"rank_peak_rss_mb": rss}, "wall": wall, "tokenized": "tokenizing" in log.read_text()}
+
+
+def vm_of(pid: int, field: str) -> float:
+    """A process's ``/proc/PID/status`` memory field in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} for pid {pid}")
 
 
 def children_cpu() -> float:

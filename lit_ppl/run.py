@@ -31,7 +31,7 @@ from lit_ppl.report import loggers
 from lit_ppl.report.progress import TokensPerSecondBar, set_verbose
 from lit_ppl.report.results import build_results, write_per_document
 from lit_ppl.report.summary import print_compare_table, print_results_table
-from lit_ppl.runtime.files import write_json_atomic
+from lit_ppl.runtime.files import first_process, run_lock, write_json_atomic
 from lit_ppl.runtime.threads import set_cpu_threads, use_deterministic_kernels
 
 EXIT_CONFIG = 2  # a config the schema refused (argparse's and jsonargparse's usage code)
@@ -56,6 +56,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Run one evaluation described by ``cfg``; return ``results.json``'s content (on every rank)."""
     set_verbose(cfg.get("verbose", False))
     plan = preflight(cfg)
+    with run_lock(plan.output_dir, first_process()):  # two runs into one output_dir would race its files
+        return _evaluate(plan)
+
+
+def _evaluate(plan: Plan) -> dict[str, Any]:
     run = plan.cfg
     logger = loggers.build(run.logger, plan.config)  # before the model loads: a missing package fails in a second
     L.seed_everything(run.seed, verbose=False)

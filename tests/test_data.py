@@ -21,8 +21,9 @@ from conftest import ROOT, STORIES, TINYSTORIES, WIKITEXT, require_shared
 from helpers.nodes import launch, wait
 
 from lit_ppl.data.datamodule import WindowCollator
+from lit_ppl.data.reading import documents
 from lit_ppl.data.sampler import PAD
-from lit_ppl.data.sources import DataSpec, documents
+from lit_ppl.data.sources import DataSpec
 from lit_ppl.data.store import Corpus, prepare, store_dir, token_dtype
 from lit_ppl.data.windows import build_windows
 from lit_ppl.model.spec import ModelSpec

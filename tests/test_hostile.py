@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -354,3 +355,103 @@ def test_a_progress_file_with_objects_weights_only_refuses_is_skipped_in_one_lin
     assert ResumeCallback._read(path) is None
     err = capsys.readouterr().err
     assert err.startswith(f"lit-ppl: ignoring progress file {path}: it cannot be read") and err.count("\n") == 1
+
+
+class _PrefixPerCall:
+    """Bytes, with a mark before every text it is called on: no cut can keep its tokens."""
+
+    context_id, vocab_size, fingerprint = 257, 258, "prefix-per-call"
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return [[256, *t.encode("utf-8")] for t in texts]
+
+
+def _trained_bpe(text: str, prefix_per_call: bool = False):
+    """A small BPE tokenizer trained on ``text``: byte-level (GPT-2's scheme, as Llama 3 and SmolLM2 use), or one
+    that puts a word-start mark before every text it is called on (SentencePiece's ``prepend_scheme=always``)."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from lit_ppl.model.tokenizer import HFTokenizer
+
+    rust = RustTokenizer(models.BPE())
+    if prefix_per_call:
+        rust.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+        rust.decoder = decoders.Metaspace(prepend_scheme="always")
+    else:
+        rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        rust.decoder = decoders.ByteLevel()
+    rust.train_from_iterator([text], trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>"]))
+    return HFTokenizer(PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<s>"))
+
+
+@pytest.mark.parametrize("tokenizer_kind", ["bytes", "byte-level bpe", "stories260K", "metaspace", "prefix per call"])
+@pytest.mark.parametrize("separator", [None, r"\n\n\n"])
+def test_a_large_text_in_parts_gives_the_one_shot_tokens(tmp_path, monkeypatch, tokenizer_kind, separator):
+    """Read and tokenized a few characters at a time (the sizes shrunk here), a plain-text corpus's store equals the
+    store of its documents tokenized whole: the tokens, words and bytes of every document."""
+    import numpy as np
+
+    from lit_ppl.data import reading, tokenize
+    from lit_ppl.data.sources import DataSpec
+    from lit_ppl.data.store import Corpus, prepare
+    from lit_ppl.model.spec import ModelSpec
+    from lit_ppl.model.tokenizer import ByteTokenizer
+
+    require_shared()
+    stories = TINYSTORIES.read_text()
+    text = "\n\n\n".join(stories[i::7] + "\r\n" + stories[: 500 + 97 * i] for i in range(7))  # \r\n: read as \n
+    path = tmp_path / "book.txt"
+    path.write_text(text, newline="")
+    tokenizer = {
+        "bytes": ByteTokenizer(),
+        "byte-level bpe": _trained_bpe(stories),
+        "stories260K": ModelSpec(path=str(STORIES)).tokenizer(),
+        "metaspace": _trained_bpe(stories, prefix_per_call=True),  # a cut before a space keeps its tokens
+        "prefix per call": _PrefixPerCall(),  # its tokens change at any cut: never cut
+    }[tokenizer_kind]
+    monkeypatch.setattr(reading, "CHUNK_CHARS", 1500)
+    monkeypatch.setattr(reading, "SEPARATOR_LOOKAHEAD", 40)
+    monkeypatch.setattr(tokenize, "PIECE_CHARS", 1000)
+    cuts: list[int | None] = []
+    real_cut = tokenize._cut
+    monkeypatch.setattr(tokenize, "_cut", lambda text, tok: cuts.append(real_cut(text, tok)) or cuts[-1])
+    spec = DataSpec(path=str(path), document_separator=separator, cache_dir=str(tmp_path / "cache"))
+    corpus = Corpus.open(prepare(spec, tokenizer, progress=False))
+    whole = text.replace("\r\n", "\n")
+    docs = [d for d in whole.split("\n\n\n") if d.strip()] if separator else [whole]
+    ids = tokenizer.encode(docs)
+    expected = np.concatenate([[tokenizer.context_id, *x] for x in ids])
+    assert np.array_equal(np.asarray(corpus.tokens), expected)
+    assert corpus.doc_lengths.tolist() == [len(x) for x in ids]
+    assert corpus.doc_words.tolist() == [len(re.split(r"\s+", d)) for d in docs]
+    assert corpus.doc_bytes.tolist() == [len(d.encode()) for d in docs]
+    made = [c for c in cuts if c is not None]
+    if tokenizer_kind == "prefix per call":
+        assert not made and (cuts or separator)  # tried, refused: such documents are tokenized whole, as before
+    elif separator is None:
+        assert len(made) >= 5, cuts  # the one document really was tokenized in pieces
+
+
+def test_a_second_run_into_a_busy_output_dir_is_refused(compose, tmp_path):
+    """Two runs into one output_dir raced (the last writer won): the second is now refused while the first lives;
+    a lock left by a process that is gone is taken over."""
+    import socket
+
+    from lit_ppl.run import evaluate
+
+    out = tmp_path / "out"
+    out.mkdir()
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        lock = out / ".lit_ppl.lock"
+        lock.write_text(json.dumps({"host": socket.gethostname(), "pid": other.pid, "slurm_job": None}))
+        with pytest.raises(ValueError, match=rf"output_dir='{out}' is in use by another run \(.* pid {other.pid}\)"):
+            evaluate(compose(f"output_dir={out}"))
+        assert not (out / "results.json").exists() and lock.exists()
+    finally:
+        other.kill()
+        other.wait()
+    r = evaluate(compose(f"output_dir={out}"))  # its holder is gone: taken over, and released at the end
+    assert (out / "results.json").is_file() and r["ppl"] > 0 and not lock.exists()

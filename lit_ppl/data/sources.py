@@ -8,13 +8,11 @@ without internet can read it later) and read from its memory-mapped Arrow files.
 
 from __future__ import annotations
 
-import codecs
 import glob
 import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
@@ -22,7 +20,6 @@ from typing import Any
 
 from lit_ppl.config.values import DATA_FORMATS, ENCODING_ERRORS
 from lit_ppl.errors import LitPplError
-from lit_ppl.parallel.ranks import first_line
 
 DEMO_TEXT = "package://lit_ppl.assets/demo.txt"
 FORMATS = DATA_FORMATS
@@ -163,136 +160,3 @@ def expand_paths(raw: list[str]) -> list[str]:
 
 def _hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
-
-
-def documents(spec: DataSpec, batch_size: int = 256) -> Iterator[list[str]]:
-    """The documents in order, ``batch_size`` at a time, at most ``spec.limit`` of them."""
-    left = spec.limit if spec.limit is not None else float("inf")
-    for batch in _split(spec, _texts(spec, batch_size)):
-        if left <= 0:
-            return
-        batch = batch[: int(min(left, len(batch)))]
-        left -= len(batch)
-        yield batch
-
-
-def _split(spec: DataSpec, texts: Iterator[list[str]]) -> Iterator[list[str]]:
-    if spec.join_rows:
-        texts = iter([["".join(t for batch in texts for t in batch)]])
-    for batch in texts:
-        if spec.document_separator is not None:
-            batch = [d for t in batch for d in re.split(spec.document_separator, t) if d.strip()]
-        if batch:
-            yield batch
-
-
-def _texts(spec: DataSpec, batch_size: int) -> Iterator[list[str]]:
-    if not spec.paths:
-        yield from _column(_load_hub(spec).iter(batch_size=batch_size), spec, spec.describe())
-        return
-    import datasets
-
-    kwargs: dict[str, Any] = {}
-    if spec.builder == "text":
-        kwargs = {"sample_by": "document", "encoding_errors": spec.encoding_errors}
-    # One reader over every file, in order (one per file would cost a setup each for thousands of shards); the
-    # file at fault is looked for only when reading fails.
-    try:
-        ds = datasets.load_dataset(spec.builder, data_files=spec.paths, split="train", streaming=True, **kwargs)
-        yield from _column(ds.iter(batch_size=batch_size), spec, spec.describe())
-    except UnicodeDecodeError:
-        path, offset = next((p, o) for p in spec.paths if (o := _bad_utf8_offset(p)) is not None)
-        raise LitPplError(
-            f"{path} is not valid UTF-8 at byte offset {offset}; fix the file or set data.encoding_errors=replace "
-            "(or ignore)"
-        ) from None
-    except (OSError, EOFError, ValueError) as err:
-        if isinstance(err, LitPplError):
-            raise
-        bad = next(((p, e) for p in spec.paths if (e := _decompress_error(p)) is not None), None)
-        if bad is not None:
-            raise LitPplError(f"data.path file {bad[0]} is not a valid {Path(bad[0]).suffix} file: {bad[1]}") from err
-        if type(err).__name__ != "ArrowInvalid":  # pyarrow's word for a file it cannot parse
-            raise
-        where = _unreadable(spec, kwargs) or spec.describe()
-        raise LitPplError(f"data.path file {where} cannot be read as {spec.builder}: {first_line(err)}") from None
-
-
-def _unreadable(spec: DataSpec, kwargs: dict[str, Any]) -> str | None:
-    """The first file that cannot be read alone (looked for only once reading all of them failed)."""
-    import datasets
-
-    for path in spec.paths:
-        try:
-            ds = datasets.load_dataset(spec.builder, data_files=[path], split="train", streaming=True, **kwargs)
-            for _ in ds.iter(batch_size=1024):
-                pass
-        except Exception:
-            return path
-    return None
-
-
-def _column(batches: Iterator[dict[str, list]], spec: DataSpec, where: str) -> Iterator[list[str]]:
-    row = 0
-    for batch in batches:
-        if spec.text_field not in batch:
-            raise LitPplError(f"data.text_field={spec.text_field!r} is not a column of {where}; it has {sorted(batch)}")
-        texts = batch[spec.text_field]
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                what = "missing or null" if text is None else f"{type(text).__name__} {str(text)[:40]!r}"
-                raise LitPplError(
-                    f"row {row + i} of {where}: data.text_field={spec.text_field!r} is {what}, not text; every row "
-                    "needs a string there (or choose another data.text_field)"
-                )
-        row += len(texts)
-        yield texts
-
-
-def _chunks(path: str) -> Iterator[bytes]:
-    """The file's bytes, decompressed by its suffix, a megabyte at a time."""
-    import fsspec
-
-    with fsspec.open(path, "rb", compression="infer") as f:
-        while chunk := f.read(1 << 20):
-            yield chunk
-
-
-def _bad_utf8_offset(path: str) -> int | None:
-    """Byte offset of the first invalid UTF-8 sequence in the (decompressed) file; ``None`` if there is none."""
-    decoder, offset, pending = codecs.getincrementaldecoder("utf-8")(), 0, 0
-    try:
-        for chunk in _chunks(path):
-            pending = len(decoder.getstate()[0])  # an incomplete sequence carried over from the last chunk
-            decoder.decode(chunk)
-            offset += len(chunk)
-        pending = len(decoder.getstate()[0])
-        decoder.decode(b"", final=True)  # a sequence cut off by the end of the file
-    except UnicodeDecodeError as err:
-        return offset - pending + err.start
-    return None
-
-
-def _decompress_error(path: str) -> Exception | None:
-    """What goes wrong decompressing ``path`` to its end (``None``: nothing, or not a compressed file)."""
-    if Path(path).suffix not in COMPRESSIONS:
-        return None
-    try:
-        for _ in _chunks(path):
-            pass
-    except Exception as err:  # each codec has its own error types (zlib, lzma, zstd, EOFError...)
-        return err
-    return None
-
-
-def _load_hub(spec: DataSpec):
-    import datasets
-
-    try:
-        return datasets.load_dataset(spec.hub_name, spec.hub_config, split=spec.split)
-    except ConnectionError as err:
-        raise LitPplError(
-            f"data.hub_name={spec.hub_name!r} is not in the datasets cache and the hub cannot be reached ({err}); "
-            "run `python -m lit_ppl.fetch` with the same model and data overrides where the hub is reachable (with "
-            "HF_HOME and data.cache_dir on storage these nodes read), or give a local data.path"
-        ) from None

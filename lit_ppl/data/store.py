@@ -26,7 +26,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from lit_ppl.data.tokenize import encoded_batches, processes
 from lit_ppl.data.windows import doc_offsets
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.tokenizer import Tokenizer
+from lit_ppl.runtime.files import process_alive
 
 VERSION = "2"  # bump when the stored tokens change, to invalidate caches
 
@@ -197,21 +197,11 @@ def _remove_stale_builds(final: Path, timeout_s: float) -> None:
     for tmp in final.parent.glob(f"{final.name}.tmp-*"):
         owner_host, _, pid = tmp.name.removeprefix(f"{final.name}.tmp-").rpartition("-")
         try:
-            gone = owner_host == host and pid.isdigit() and not _alive(int(pid))
+            gone = owner_host == host and pid.isdigit() and not process_alive(int(pid))
             if gone or time.time() - tmp.stat().st_mtime > timeout_s + 60:
                 shutil.rmtree(tmp, ignore_errors=True)
         except FileNotFoundError:
             continue
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def _owner(lock: Path) -> str:
@@ -256,35 +246,39 @@ def build(
     tokenizer: Tokenizer,
     directory: Path,
     progress: bool = True,
-    on_batch: Callable[[], None] | None = None,
 ) -> None:
-    """Tokenize ``spec``'s documents into a store at ``directory`` (which must not exist); ``on_batch`` is called
-    after each batch is written."""
+    """Tokenize ``spec``'s documents into a store at ``directory`` (which must not exist)."""
     directory.mkdir(parents=True)
     dtype = token_dtype(tokenizer.vocab_size)
     counts: list[np.ndarray] = []
     n_tokens = max_token = n_docs = 0
     has_text = False  # a corpus of whitespace alone would be scored as if it were text
     bar, t0 = None, time.monotonic()
+    last: np.ndarray | None = None  # the last document's counts: the next batch may continue it
     with open(directory / "tokens.bin", "wb") as out:
-        for texts, (flat, doc_counts) in encoded_batches(spec, tokenizer, dtype):
-            check_nonempty(doc_counts[:, 0], n_docs)
+        for texts, starts, (flat, piece_counts) in encoded_batches(spec, tokenizer, dtype):
             has_text = has_text or any(t.strip() for t in texts)
             out.write(flat.tobytes())
-            counts.append(doc_counts)
-            n_tokens, n_docs = n_tokens + len(flat), n_docs + len(texts)
-            max_token = max(max_token, int(flat.max()))
-            if on_batch is not None:
-                on_batch()
+            doc_counts, last = _documents_of(piece_counts, starts, last)
+            if len(doc_counts):
+                check_nonempty(doc_counts[:, 0], n_docs)
+                counts.append(doc_counts)
+                n_docs += len(doc_counts)
+            n_tokens += len(flat)
+            max_token = max(max_token, int(flat.max()) if len(flat) else 0)
             if bar is None and progress:  # once the source is open: an error comes before any bar
                 bar = _bar(spec)
             if bar is not None:
                 bar.set_postfix_str(f"{n_tokens / (time.monotonic() - t0):,.0f} tokens/s", refresh=False)
-                bar.update(int(doc_counts[:, 2].sum()))
+                bar.update(int(piece_counts[:, 2].sum()))
         out.flush()
         os.fsync(out.fileno())
     if bar is not None:
         bar.close()
+    if last is not None:
+        check_nonempty(last[None, :1], n_docs)
+        counts.append(last[None])
+        n_docs += 1
     if n_docs == 0:
         raise LitPplError(f"{spec.describe()} has no documents")
     if not has_text:
@@ -302,6 +296,23 @@ def build(
         "limit": spec.limit,
     }
     (directory / "meta.json").write_text(json.dumps(meta, indent=2))  # written last: the store's completion mark
+
+
+def _documents_of(
+    pieces: np.ndarray, starts: list[bool], last: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The finished documents' ``(tokens, words, bytes)`` rows from a batch of pieces' rows, and the last
+    document's row, which the next batch may still continue (pieces of one document add up)."""
+    rows: list[np.ndarray] = []
+    for row, start in zip(pieces, starts, strict=True):
+        if start:
+            if last is not None:
+                rows.append(last)
+            last = row.copy()
+        else:
+            assert last is not None, "a continuation before any document: a bug in lit_ppl.data.tokenize"
+            last += row
+    return (np.stack(rows) if rows else np.zeros((0, 3), np.int64)), last
 
 
 def _bar(spec: DataSpec):
