@@ -1,9 +1,10 @@
-"""Where documents come from: local files (any extension, compressed or not, directories, globs) or a hub dataset.
+"""Where documents come from: local files (any extension, compressed or not, directories, globs) or a hub dataset,
+as a :class:`DataSpec` with its files resolved, its format decided and its token store's key.
 
-Files are streamed with Hugging Face ``datasets`` (``load_dataset(..., streaming=True)``): its ``text``, ``json``
-and ``parquet`` readers, its decompression of ``.gz``/``.bz2``/``.xz``/``.zst``, nothing written to disk and
-memory bounded by a batch of documents. A hub dataset is downloaded into ``datasets``' cache (so that a node
-without internet can read it later) and read from its memory-mapped Arrow files.
+:mod:`lit_ppl.data.reading` reads them: plain text streamed a chunk at a time, JSON and Parquet through Hugging Face
+``datasets`` (``load_dataset(..., streaming=True)``, its decompression of ``.gz``/``.bz2``/``.xz``/``.zst``), nothing
+written to disk and memory bounded by a batch of documents. A hub dataset is downloaded into ``datasets``' cache (so
+that a node without internet can read it later) and read from its memory-mapped Arrow files.
 """
 
 from __future__ import annotations

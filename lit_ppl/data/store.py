@@ -260,8 +260,9 @@ def build(
             has_text = has_text or any(t.strip() for t in texts)
             out.write(flat.tobytes())
             doc_counts, last = _documents_of(piece_counts, starts, last)
+            still_open = last[:1] if last is not None else np.zeros(0, np.int64)
+            check_nonempty(np.concatenate([doc_counts[:, 0], still_open]), n_docs)  # with the one still open
             if len(doc_counts):
-                check_nonempty(doc_counts[:, 0], n_docs)
                 counts.append(doc_counts)
                 n_docs += len(doc_counts)
             n_tokens += len(flat)
@@ -276,7 +277,6 @@ def build(
     if bar is not None:
         bar.close()
     if last is not None:
-        check_nonempty(last[None, :1], n_docs)
         counts.append(last[None])
         n_docs += 1
     if n_docs == 0:
