@@ -9,6 +9,7 @@ peak RSS (``VmHWM``); ``--whole`` also builds the large file the old way, the te
 
     python benchmarks/plain_text.py                    # 1 MB vs 200 MB, stories260K's tokenizer (~2 minutes)
     python benchmarks/plain_text.py --large 20MB --whole
+    python benchmarks/plain_text.py --large 20MB --whole --model ~/.cache/lit_ppl/models/smollm2-135m
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ def make(path: Path, n: int) -> Path:
     return path
 
 
-def build(path: Path, work: Path, whole: bool) -> dict:
+def build(path: Path, work: Path, whole: bool, model: Path) -> dict:
     cache = Path(tempfile.mkdtemp(dir=work))
     env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PATH": "/usr/bin:/bin"}
-    cmd = [sys.executable, "-c", CHILD, str(path), str(cache), str(STORIES), "1" if whole else "0"]
+    cmd = [sys.executable, "-c", CHILD, str(path), str(cache), str(model), "1" if whole else "0"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(done.stderr[-3000:])
@@ -76,6 +77,7 @@ def build(path: Path, work: Path, whole: bool) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--large", default="200MB")
+    p.add_argument("--model", type=Path, default=STORIES, help="whose tokenizer (default: stories260K)")
     p.add_argument("--whole", action="store_true", help="also build the large file the old way, in one go")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "lit_ppl_bench" / "plain_text")
     args = p.parse_args()
@@ -83,9 +85,9 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     small, large = make(args.work / "small.txt", 1 << 20), make(args.work / "large.txt", size(args.large))
     t0 = time.perf_counter()
-    rows = {"1 MB": build(small, args.work, False), args.large: build(large, args.work, False)}
+    rows = {"1 MB": build(small, args.work, False, args.model), args.large: build(large, args.work, False, args.model)}
     if args.whole:
-        rows[f"{args.large}, in one go (before)"] = build(large, args.work, True)
+        rows[f"{args.large}, in one go (before)"] = build(large, args.work, True, args.model)
     columns = ["file", "peak RSS MB", "build s", "tokens", "MB/s"]
     lines = [
         {

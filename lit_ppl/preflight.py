@@ -65,7 +65,7 @@ class Plan:
         return {
             **{k: v for k, v in numbers.items() if k not in ("model", "data")},
             "model": {k: v for k, v in numbers["model"].items() if k != "path"},
-            "model_files": self.model.identity(times=False)["digest"],
+            "model_files": self.model_identity["names_digest"],
             "data": {k: v for k, v in numbers["data"].items() if k != "path"},
             "eval": dataclasses.asdict(run.eval),
             "layout": self.layout.describe(),

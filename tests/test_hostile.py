@@ -162,6 +162,7 @@ def test_results_name_the_weights_they_came_from(compose, tmp_path):
     ident = first["model_identity"]
     assert ident["files"] >= 3 and ident["bytes"] > (ckpt / "model.safetensors").stat().st_size
     assert second["ppl"] == first["ppl"] and second["model_identity"]["digest"] != ident["digest"]
+    assert second["model_identity"]["names_digest"] == ident["names_digest"]  # what copies on other nodes share
     assert json.loads(json.dumps(first))["model_identity"] == ident
 
 

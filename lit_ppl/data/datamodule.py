@@ -144,6 +144,7 @@ class PerplexityDataModule(L.LightningDataModule):
         self.corpus: Corpus | None = None
         self.store: Path | None = None  # the token store's directory, once set up
         self.windows: Windows | None = None
+        self._windows_digest: str | None = None
 
     @property
     def batch_size(self) -> int | str:
@@ -183,11 +184,13 @@ class PerplexityDataModule(L.LightningDataModule):
         import hashlib
 
         assert self.corpus is not None and self.windows is not None, "call setup() first"
-        h = hashlib.sha256()
-        w = self.windows
-        for a in (w.start, w.end, w.score_from, self.corpus.doc_lengths):
-            h.update(memoryview(np.ascontiguousarray(a)))  # no joined copy: 24 bytes per window
-        return h.hexdigest()[:16]
+        if self._windows_digest is None:  # read by the agreement check and by resume: hashed once
+            h = hashlib.sha256()
+            w = self.windows
+            for a in (w.start, w.end, w.score_from, self.corpus.doc_lengths):
+                h.update(memoryview(np.ascontiguousarray(a)))  # no joined copy: 24 bytes per window
+            self._windows_digest = h.hexdigest()[:16]
+        return self._windows_digest
 
     def describe(self) -> dict[str, Any]:
         """What was evaluated, for ``results.json``: the source, ``data.limit`` and the token store."""

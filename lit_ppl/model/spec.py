@@ -130,18 +130,24 @@ class ModelSpec:
                 out.append((str(f.relative_to(root)), st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         return out
 
-    def identity(self, times: bool = True) -> dict[str, Any]:
-        """The checkpoint's identity for ``results.json`` and for resume: a digest of :meth:`files` (with their
-        times: an edited or replaced file changes it, even one given the old mtime back, since ``touch`` cannot
-        reset a ctime) or, ``times=False``, of names and sizes only (what copies on other nodes share)."""
+    def identity(self) -> dict[str, Any]:
+        """The checkpoint's identity, from one ``stat`` of each of :meth:`files`: ``digest`` covers their names,
+        sizes and times (an edited or replaced file changes it, even one given the old mtime back, since ``touch``
+        cannot reset a ctime: what resume and ``results.json`` need); ``names_digest`` their names and sizes only
+        (what copies of the same checkpoint on other nodes share: what the ranks' agreement check needs)."""
         import hashlib
         import json
 
-        files = self.files() if times else [f[:2] for f in self.files()]
+        files = self.files()
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "path"}
-        blob = json.dumps({"fields": fields, "files": files}, sort_keys=True).encode()
+
+        def digest(entries: list) -> str:
+            blob = json.dumps({"fields": fields, "files": entries}, sort_keys=True).encode()
+            return hashlib.sha256(blob).hexdigest()[:20]
+
         return {
-            "digest": hashlib.sha256(blob).hexdigest()[:20],
+            "digest": digest(files),
+            "names_digest": digest([f[:2] for f in files]),
             "files": len(files),
             "bytes": sum(f[1] for f in files),
         }
