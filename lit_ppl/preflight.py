@@ -55,7 +55,12 @@ class Plan:
     def progress_config(self) -> dict[str, Any]:
         """What saved progress must match (:func:`lit_ppl.config.numbers.progress_keys`, the weights' files with
         their times) and what its states hold."""
-        return {**progress_keys(self.config), "breakdown": self.breakdown, "model_identity": self.model_identity}
+        return {
+            **progress_keys(self.config),
+            "breakdown": self.breakdown,
+            "per_token": self.cfg.report.per_token,  # rows written before a resume must exist after it
+            "model_identity": self.model_identity,
+        }
 
     def agreement(self) -> dict[str, Any]:
         """What every rank must share, without paths (a node may read its own copy of the files): the number keys,
@@ -84,6 +89,32 @@ def check_output_dir(path: str) -> Path:
     except OSError as err:
         raise LitPplError(f"output_dir={path!r} is not writable: {err.strerror or err}") from err
     return out
+
+
+def check_outputs(typed: ValidateConfig) -> None:
+    """A saved reference is read alone (no reference model besides), and a run saving one scores one model."""
+    reference = typed.compare.reference
+    store = reference.get("store") if isinstance(reference, dict) else None
+    if store and (
+        reference.get("path") or reference.get("dtype") or (reference.get("quant") or {}).get("name", "none") != "none"
+    ):
+        raise LitPplError(
+            f"compare.reference.store={store!r} with compare.reference.path, dtype or quant: a saved reference is "
+            "read as it was saved; give either the store (compare=saved) or a reference model (compare=unquantized)"
+        )
+    if typed.save_reference and reference:
+        raise LitPplError(
+            f"save_reference={typed.save_reference!r} with compare: a saved reference is one model's; save it in a "
+            "run without compare (compare=none)"
+        )
+    if typed.save_reference:
+        directory = Path(typed.save_reference).expanduser()
+        foreign = directory.is_dir() and any(directory.iterdir()) and not (directory / "manifest.json").exists()
+        if directory.is_file() or foreign:
+            raise LitPplError(
+                f"save_reference={typed.save_reference!r} is a file or a directory holding other files; give a new "
+                "or empty directory (or one a previous save_reference run wrote)"
+            )
 
 
 def resolve_layout(name: str, p: ParallelConfig, devices: int, num_nodes: int) -> parallel.Layout:
@@ -172,6 +203,7 @@ def preflight(cfg: DictConfig) -> Plan:
             "float16 or float32 inputs, not float64; use precision=32-true (or bf16-true)"
         )
     quantize.check_layout(quant, layout)
+    check_outputs(typed)
     autobatch.check_layout(typed.batch_size, layout)
     if typed.batch_size == "auto":
         autobatch.read_cache(Path(typed.autobatch.cache).expanduser())  # one it would overwrite is refused now

@@ -8,6 +8,7 @@ never do. :func:`exit_for` is the one mapping from an exception to the line and 
 from __future__ import annotations
 
 import traceback
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -18,10 +19,12 @@ from lit_ppl.config.values import ConfigError
 from lit_ppl.data.datamodule import PerplexityDataModule
 from lit_ppl.errors import LitPplError
 from lit_ppl.evaluation.agreement import AgreementCheck
-from lit_ppl.evaluation.compare import CompareModule, reference_spec
+from lit_ppl.evaluation.compare import CompareModule, SavedCompareModule, reference_spec
 from lit_ppl.evaluation.module import PerplexityModule
+from lit_ppl.evaluation.reference import TokenOutputs
 from lit_ppl.evaluation.resume import EXIT_PREEMPTED, Preempted, ResumeCallback
 from lit_ppl.evaluation.trainer import build_trainer
+from lit_ppl.model.nll import auto_chunk
 from lit_ppl.model.scorer import ScorerMismatchError
 from lit_ppl.parallel.ranks import RankFailure, first_line, peer_failure, rank
 from lit_ppl.parallel.strategies import join_launched_ranks
@@ -116,21 +119,36 @@ def build_datamodule(plan: Plan) -> PerplexityDataModule:
 
 
 def build_module(plan: Plan, datamodule: PerplexityDataModule) -> PerplexityModule:
-    """A :class:`CompareModule` when ``compare.reference`` is set, else a :class:`PerplexityModule`."""
+    """A :class:`SavedCompareModule` for ``compare.reference.store``, a :class:`CompareModule` for another
+    ``compare.reference``, else a
+    :class:`PerplexityModule`; each with the run's per-token files (``report.per_token``, ``save_reference``)."""
     run = plan.cfg
     # Calibrated methods tokenize their text now, like the evaluated text, which theirs must not be.
     quantizer = quantize.build(plan.quant, datamodule.tokenizer, datamodule.spec, run.distributed.timeout_s)
+    reference = run.compare.reference
+    store = reference.get("store") if isinstance(reference, dict) else None
+    path = "compare" if reference or store else "nll"
+    chunk = auto_chunk(run.eval.chunk_size, plan.limits[0], run.eval.chunk_budget_mb, path)
+    outputs = None
+    if run.report.per_token or run.save_reference:
+        save = Path(run.save_reference).expanduser() if run.save_reference else None
+        outputs = TokenOutputs(plan.output_dir if run.report.per_token else None, save)
     options = {
+        "chunk_size": chunk,
+        "layout": plan.layout,
+        "quantize": quantizer,
         "timeout_s": run.distributed.timeout_s,
         "compile_decoder": run.compile,
         "deterministic": plan.deterministic,
         "breakdown": plan.breakdown,
+        "outputs": outputs,
     }
-    chunk, reference = run.eval.chunk_size, run.compare.reference
+    if store:
+        return SavedCompareModule(plan.model, str(Path(store).expanduser()), **options)
     if not reference:
-        return PerplexityModule(plan.model, chunk_size=chunk, layout=plan.layout, quantize=quantizer, **options)
+        return PerplexityModule(plan.model, **options)
     spec, ref_quantize, ref_dtype = reference_spec(reference, plan.model)
-    return CompareModule(plan.model, spec, chunk, plan.layout, quantizer, ref_quantize, ref_dtype, **options)
+    return CompareModule(plan.model, spec, reference_quantize=ref_quantize, reference_dtype=ref_dtype, **options)
 
 
 def run_facts(plan: Plan, trainer: L.Trainer, datamodule: PerplexityDataModule) -> dict[str, Any]:
@@ -152,6 +170,7 @@ def run_facts(plan: Plan, trainer: L.Trainer, datamodule: PerplexityDataModule) 
             "measured_tokens_per_s": batch.measured_tokens_per_s,
         },
         "precision": run.precision,
+        "chunk_size": trainer.lightning_module.chunk_size,  # the resolved number under eval.chunk_size=auto
         "model": plan.model.path,
         "model_identity": plan.model_identity,
         "data": datamodule.describe(),

@@ -248,7 +248,10 @@ def test_bad_input_message(case, compose, tmp_path):
         (["data.path=/no/such.txt"], "lit-ppl: error: data.path='/no/such.txt' is not a file"),
         (["eval.seq_len=4096"], "lit-ppl: error: eval.seq_len=4096 exceeds the model's maximum of 2048"),
         (["strategy=nope"], "Could not find 'strategy/nope'"),  # Hydra lists the valid options after this line
-        (["eval.bogus=1"], "unknown key eval.bogus (valid keys: mode, seq_len, stride, chunk_size, deterministic)"),
+        (
+            ["eval.bogus=1"],
+            "unknown key eval.bogus (valid keys: mode, seq_len, stride, chunk_size, chunk_budget_mb, deterministic)",
+        ),
     ],
 )
 def test_entry_exits_nonzero_with_the_message(tmp_path, args, message):

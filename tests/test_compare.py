@@ -12,9 +12,10 @@ from conftest import STORIES, TINYSTORIES, require_shared
 
 from lit_ppl.data.datamodule import PerplexityDataModule
 from lit_ppl.data.sources import DataSpec
-from lit_ppl.evaluation.compare import CompareModule, CompareScorer
+from lit_ppl.evaluation.compare import CompareModule
 from lit_ppl.metrics import histogram
 from lit_ppl.metrics.kl import HISTOGRAMS, KLDivergence, token_stats
+from lit_ppl.model.scorer import TokenScorer
 from lit_ppl.model.spec import ModelSpec
 from lit_ppl.quant import apply as quantize
 from lit_ppl.run import evaluate
@@ -106,7 +107,7 @@ def test_each_head_runs_inside_its_own_models_forward():
     must run both heads inside their models' forwards (forward hooks like FSDP's show where they ran)."""
     spec = ModelSpec()  # the built-in model: no files needed
     module = CompareModule(spec, spec, chunk_size=5)
-    module.scorer, module.reference = (CompareScorer(spec.build(), 5) for _ in range(2))
+    module.scorer, module.reference = (TokenScorer(spec.build(), 5) for _ in range(2))
     inside: dict[str, bool] = {}
     heads_ran_inside: list[tuple[str, bool]] = []
     for name, scorer in (("candidate", module.scorer), ("reference", module.reference)):

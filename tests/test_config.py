@@ -27,7 +27,7 @@ from lit_ppl.config import schema as config_schema
 from lit_ppl.config import values as config_values
 from lit_ppl.validate import EXIT_CONFIG, conf_dir
 
-EVAL_KEYS = "valid keys: mode, seq_len, stride, chunk_size, deterministic"
+EVAL_KEYS = "valid keys: mode, seq_len, stride, chunk_size, chunk_budget_mb, deterministic"
 ROOT_KEYS = ", ".join(f.name for f in dataclasses.fields(config.ValidateConfig))
 
 # (overrides, the one stderr line). Each runs the real entry in a fresh process.
@@ -177,6 +177,7 @@ REQUIRED = {
     "data/text": ["data.path=a.txt"],
     "quant/awq": ["quant.calibration.path=c.txt"],
     "quant/gptq": ["quant.calibration.path=c.txt"],
+    "compare/saved": ["compare.reference.store=/refs"],
 }
 OPTIONS = sorted(f"{p.parent.name}/{p.stem}" for p in Path(conf_dir()).glob("*/*.yaml") if p.parent.name != "hydra")
 

@@ -144,19 +144,25 @@ def test_progress_of_another_configuration_is_refused(text, tmp_path):
 
 
 def test_deterministic_resume_on_two_ranks_equals_one_process(text, tmp_path):
-    """eval.deterministic=true: a signalled 2-rank run, resumed, gives one process's numbers, bit for bit."""
-    det = ("eval.deterministic=true",)
-    proc, one = _run(text, tmp_path / "one", *det)
+    """eval.deterministic=true: a signalled 2-rank run, resumed, gives one process's numbers, bit for bit, and the
+    same per-token files (report.per_token, save_reference) as an uninterrupted one-process run."""
+    det = ("eval.deterministic=true", "report.per_token=true")
+    proc, one = _run(text, tmp_path / "one", *det, f"save_reference={tmp_path / 'one_store'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = tmp_path / "run"
-    proc = _start_and_wait(text, out, *DDP2, *det)
+    out, store = tmp_path / "run", f"save_reference={tmp_path / 'run_store'}"
+    proc = _start_and_wait(text, out, *DDP2, *det, store)
     proc.send_signal(signal.SIGUSR1)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
-    done, r = _run(text, out, *DDP2, *det)
+    done, r = _run(text, out, *DDP2, *det, store)
     assert done.returncode == 0 and "resuming from step" in done.stderr, done.stderr[-3000:]
     _assert_identical(r, one)
     assert r["nll_by_position"] == one["nll_by_position"]
+    for a, b in (
+        (tmp_path / "one" / "per_token.npy", out / "per_token.npy"),
+        *((tmp_path / "one_store" / f, tmp_path / "run_store" / f) for f in ("hidden.npy", "nll.npy", "target.npy")),
+    ):
+        assert a.read_bytes() == b.read_bytes(), b.name
 
 
 def _cache_says(cache: Path, size: int, max_batch: int) -> None:

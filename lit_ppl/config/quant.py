@@ -52,7 +52,7 @@ def check_reference(key: str, value: Any) -> None:
     if value is None or isinstance(value, str):
         return
     if not isinstance(value, dict):
-        raise ConfigError(f"{key}={value!r} must be null, a checkpoint path, or {{path, dtype, quant}}")
+        raise ConfigError(f"{key}={value!r} must be null, a checkpoint path, or {{path, dtype, quant, store}}")
     check_fields(ReferenceConfig, typed_copy(ReferenceConfig, value, key), key)
 
 
@@ -129,6 +129,9 @@ class ReferenceConfig:
     """``compare.reference`` given as a node (it may also be a path, so the field itself is untyped)."""
 
     path: str | None = field(default=None, metadata=meta("null: model.path"))
+    store: str | None = field(
+        default=None, metadata=meta("compare=saved: a save_reference directory, read for the reference")
+    )
     dtype: str | None = field(default=None, metadata=meta("null: the run's precision", choices=REFERENCE_DTYPES))
     quant: QuantConfig = field(
         default_factory=QuantConfig, metadata=meta("the reference's quantization, as quant", check=check_calibration)

@@ -94,8 +94,18 @@ class EvalConfig:
     )
     seq_len: int = field(default=512, metadata=meta("most input tokens per window"))
     stride: int | None = field(default=None, metadata=meta("sliding mode's stride"))
-    chunk_size: int = field(
-        default=1024, metadata=meta("scored positions per output-head chunk (bounds the logits memory)")
+    chunk_size: Any = field(
+        default="auto",
+        metadata=meta(
+            "scored positions per output-head chunk, or auto: the most whose logits fit in chunk_budget_mb",
+            check=check_batch_size,
+            union=int | Literal["auto"],
+            shown="int | auto",
+        ),
+    )
+    chunk_budget_mb: int = field(
+        default=256,
+        metadata=meta("chunk_size=auto: MiB of logits per chunk, both models' when comparing", check=check_positive),
     )
     deterministic: bool = field(default=False, metadata=meta("bit-identical at any world size"))
 
@@ -166,6 +176,9 @@ class ReportConfig:
         default=None, metadata=meta("also write per_document.{csv,parquet}", choices=PER_DOCUMENT_FORMATS)
     )
     plots: bool = field(default=True, metadata=meta("nll_by_position.png"))
+    per_token: bool = field(
+        default=False, metadata=meta("also write per_token.npy (float32 NLL per token, corpus order) and its index")
+    )
 
 
 @dataclass
@@ -186,7 +199,10 @@ class ValidateConfig:
         default_factory=QuantConfig,
         metadata=meta("quant=none|int8|int8dq|int4|policy|awq|gptq", check=check_calibration),
     )
-    compare: CompareConfig = field(default_factory=CompareConfig, metadata=meta("compare=none|unquantized"))
+    compare: CompareConfig = field(default_factory=CompareConfig, metadata=meta("compare=none|unquantized|saved"))
+    save_reference: str | None = field(
+        default=None, metadata=meta("write this run's hidden states and head here, for compare=saved")
+    )
     logger: dict[str, Any] | None = field(
         default=None, metadata=meta("logger=none|csv|tensorboard|mlflow|wandb", check=check_logger)
     )

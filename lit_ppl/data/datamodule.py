@@ -18,7 +18,7 @@ from lit_ppl.data.batch_plan import BatchPlan
 from lit_ppl.data.sampler import PAD, ExactBatchSampler
 from lit_ppl.data.sources import DataSpec
 from lit_ppl.data.store import Corpus, prepare
-from lit_ppl.data.windows import Windows, build_windows
+from lit_ppl.data.windows import Windows, build_windows, token_offsets
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.tokenizer import Tokenizer
 from lit_ppl.parallel.layout import Layout
@@ -29,13 +29,17 @@ class WindowCollator:
 
     The batch holds ``input_ids`` ``(b, t)`` (right-padded: a causal model's real positions never see the
     padding), the flat indices into ``(b·t)`` of the scored positions and their target ids, and the
-    documents / words / bytes that the batch's windows start, each scored token's document and the batch's window
-    ids (``PAD`` for a padding entry). Shapes are known without a device sync.
+    documents / words / bytes that the batch's windows start, each scored token's document and its index in corpus
+    order (:func:`lit_ppl.data.windows.token_offsets`: where per-token outputs go), and the batch's window ids
+    (``PAD`` for a padding entry). Shapes are known without a device sync.
     """
 
-    def __init__(self, corpus: Corpus, windows: Windows, pad_id: int = 0) -> None:
+    def __init__(
+        self, corpus: Corpus, windows: Windows, pad_id: int = 0, first_token: np.ndarray | None = None
+    ) -> None:
         self.corpus, self.windows, self.pad_id = corpus, windows, pad_id
         self.offsets = corpus.offsets
+        self.first_token = token_offsets(windows, corpus.doc_lengths) if first_token is None else first_token
 
     def __call__(self, ids: list[int]) -> dict[str, Any]:
         # Vectorised over the batch's (rows × width) grid: a loop over the windows made ~10 numpy calls per window
@@ -57,11 +61,13 @@ class WindowCollator:
         # Scored: from score_from on, and never a document's BOS (context only, not part of any document).
         keep = inside & (target_pos >= score_from[:, None]) & (target_pos != offsets[doc])
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
+        token_index = self.first_token[safe][:, None] + np.cumsum(keep, axis=1) - 1  # a row's scored tokens in order
         return {
             "input_ids": torch.from_numpy(input_ids),
             "score_index": as_tensor(np.flatnonzero(keep)),  # row-major: row by row, positions ascending
             "targets": as_tensor(tokens[target_pos[keep]]),
             "doc_ids": as_tensor(doc[keep]),  # the document each scored token belongs to (for the per-document table)
+            "token_index": as_tensor(token_index[keep]),
             "documents": torch.tensor(int(w.documents[real].sum())),
             "words": torch.tensor(int(w.words[real].sum())),
             "bytes": torch.tensor(int(w.bytes[real].sum())),
@@ -144,6 +150,7 @@ class PerplexityDataModule(L.LightningDataModule):
         self.corpus: Corpus | None = None
         self.store: Path | None = None  # the token store's directory, once set up
         self.windows: Windows | None = None
+        self.first_token: np.ndarray | None = None  # each window's first scored token in corpus order, and the total
         self._windows_digest: str | None = None
 
     @property
@@ -176,7 +183,14 @@ class PerplexityDataModule(L.LightningDataModule):
         self.windows = build_windows(
             self.mode, corpus.doc_lengths, self.seq_len, self.stride, corpus.doc_words, corpus.doc_bytes
         )
+        self.first_token = token_offsets(self.windows, corpus.doc_lengths)
         self.corpus = corpus
+
+    @property
+    def scored_tokens(self) -> int:
+        """Tokens the windows score, over every rank: the length of per-token outputs."""
+        assert self.first_token is not None, "call setup() first"
+        return int(self.first_token[-1])
 
     def windows_digest(self) -> str:
         """A digest of the exact windows (their bounds and scored ranges) and of every document's token count: equal
@@ -222,6 +236,6 @@ class PerplexityDataModule(L.LightningDataModule):
         return DataLoader(
             WindowIds(len(self.windows)),
             batch_sampler=self.batch_sampler(rank, world, self.plan.skip_batches),
-            collate_fn=WindowCollator(self.corpus, self.windows),
+            collate_fn=WindowCollator(self.corpus, self.windows, first_token=self.first_token),
             num_workers=self.num_workers,
         )

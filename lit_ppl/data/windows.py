@@ -138,3 +138,32 @@ def build_windows(
         c[firsts] = v
         counts.append(c)
     return Windows(start, end, score_from, *counts)
+
+
+def token_offsets(windows: Windows, doc_lengths: np.ndarray) -> np.ndarray:
+    """Index of each window's first scored token in corpus order (document, position), plus the total at the end.
+
+    A window scores the targets ``max(start + 1, score_from) … end`` that are not a document's BOS, in ascending
+    order; windows follow each other through the stream, so the scored tokens of window ``w`` are corpus tokens
+    ``offsets[w] … offsets[w + 1] - 1``: where any rank writes a per-token value, whatever the world size.
+    """
+    bos = doc_offsets(doc_lengths)
+    low = np.maximum(windows.start + 1, windows.score_from)
+    high = windows.end  # inclusive: the last target
+    if len(low) > 1 and not (low[1:] > high[:-1]).all():
+        raise AssertionError("evaluation windows score overlapping or unordered targets: a bug in lit-ppl")
+    boundaries = np.searchsorted(bos, high, side="right") - np.searchsorted(bos, low, side="left")
+    counts = np.maximum(high - low + 1, 0) - np.where(high >= low, boundaries, 0)
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+def scored_positions(windows: Windows, doc_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(document id, position in the document)`` of every scored token, in corpus order (int64 each)."""
+    bos = doc_offsets(doc_lengths)
+    low = np.maximum(windows.start + 1, windows.score_from)
+    sizes = np.maximum(windows.end - low + 1, 0)
+    starts = np.repeat(low - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
+    target = starts + np.arange(int(sizes.sum()), dtype=np.int64)  # every target position the windows read
+    doc = np.searchsorted(bos, target, side="right") - 1
+    keep = target != bos[doc]
+    return doc[keep], (target - bos[doc] - 1)[keep]

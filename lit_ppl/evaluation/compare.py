@@ -1,16 +1,16 @@
 """Compare a candidate model with a reference token by token: llama.cpp's KL-divergence report, distributed.
 
-:class:`CompareModule` runs both models, each built by :class:`PerplexityModule`'s one pipeline, and feeds the
-per-token values of :func:`lit_ppl.metrics.kl.token_stats` into :class:`lit_ppl.metrics.kl.KLDivergence`;
-``compare.reference``
-names the reference (:func:`reference_spec`).
+:class:`CompareModule` runs both models, each built by :class:`PerplexityModule`'s one pipeline
+(``compare.reference`` names the reference: :func:`reference_spec`); :class:`SavedCompareModule` reads a reference
+saved once (``compare=saved``, :mod:`lit_ppl.evaluation.reference`). Both feed the per-token values of
+:func:`lit_ppl.metrics.kl.token_stats` into :class:`lit_ppl.metrics.kl.KLDivergence`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,54 +19,64 @@ from torch import Tensor
 from lit_ppl.config.values import REFERENCE_DTYPES
 from lit_ppl.errors import LitPplError
 from lit_ppl.evaluation.module import LOAD_DTYPE, PerplexityModule
+from lit_ppl.evaluation.reference import SavedReference, StoredHead, store_keys, vocab_rows
 from lit_ppl.metrics.kl import KLDivergence, token_stats
-from lit_ppl.model.scorer import TokenScorer, check_scorer
+from lit_ppl.model.scorer import CHECK_TOLERANCE, CHECK_TOLERANCE_16BIT, TokenScorer, check_scorer
 from lit_ppl.model.spec import ModelSpec
 from lit_ppl.parallel.layout import Layout
+from lit_ppl.parallel.sharding import fsdp_mesh
 from lit_ppl.quant.apply import build as build_quantize
 
 DTYPES = {name: getattr(torch, name) for name in REFERENCE_DTYPES}
 
 
-# What a scorer's forward hands its scored hidden states ``(n, d)`` and its head to (see CompareScorer).
-Then = Callable[[Tensor, Callable[[Tensor], Tensor]], Any]
+class KLModule(PerplexityModule):
+    """:class:`PerplexityModule` that also compares the candidate with a reference on every scored token.
 
-
-class CompareScorer(TokenScorer):
-    """A :class:`TokenScorer` whose forward can hand its scored hidden states and its head to ``then``.
-
-    The comparison needs both models' heads at once. Run inside each scorer's own forward, both FSDP2 roots
-    (embeddings, final norm, head) are gathered by FSDP's pre-forward hooks and resharded by its post-forward
-    hooks, as in a plain step: no ``unshard()`` by hand, which gathered each root a second time every step and
-    left it gathered between steps.
+    Subclasses give the reference's side of each batch as ``reference_stats(batch, hidden, scorer)``, called inside the
+    candidate's forward with its scored hidden states; this class accumulates
+    :class:`KLDivergence`'s statistics (``compare_result``) from inside the candidate's forward, with the candidate's
+    hidden states and head. Under tensor parallelism both heads give the same vocabulary slice and the statistics are
+    sums over the slices (:func:`lit_ppl.metrics.kl.token_stats`).
     """
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        score_index: Tensor,
-        targets: Tensor,
-        then: Then | None = None,
-        context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-    ) -> Any:
-        """The per-token NLL, or with ``then``: ``then(hidden states of the scored positions, head)``.
+    def __init__(self, model: ModelSpec, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.kl = KLDivergence(exact=self.deterministic)
+        self.compare_result: dict[str, Any] = {}
 
-        ``context`` wraps the decoder (e.g. autocast off for a reference of another dtype); ``then`` runs outside
-        it, so that it can choose the context of each head itself.
-        """
-        if then is None:
-            return super().forward(input_ids, score_index, targets)
-        with context():
-            hidden = self.hidden(input_ids)
-            scored = hidden.reshape(-1, hidden.shape[-1]).index_select(0, score_index)  # (n, d)
-        return then(scored, self.head)
+    def stats(self, hidden: Tensor, targets: Tensor, scorer: TokenScorer, hidden_base: Tensor, head_base: Any) -> Any:
+        """:func:`token_stats` of the candidate (``scorer``'s head) against a reference's hidden states and head."""
+        group = scorer.tp.group if scorer.tp is not None else None
+        start = int(getattr(scorer.head_module, "vocab_start", 0))
+        return token_stats(
+            hidden, hidden_base, targets, scorer.head, head_base, self.chunk_size, self._base_context, group, start
+        )
+
+    def _base_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def score(self, batch: dict[str, Any]) -> Tensor:
+        stats = self.scorer(
+            batch["input_ids"], batch["score_index"], batch["targets"], then=partial(self.reference_stats, batch)
+        )
+        if self.accumulate:  # a tensor-parallel group's ranks hold the same statistics: its first counts them
+            self.kl.update(**stats)
+        return stats["nll"]
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        self.compare_result = self.kl.compute()
+
+    def result_fields(self) -> dict[str, Any]:
+        return {**super().result_fields(), "compare": self.compare_result}
 
 
-class CompareModule(PerplexityModule):
-    """:class:`PerplexityModule` that also runs a reference model and compares the two on every scored token.
+class CompareModule(KLModule):
+    """A :class:`KLModule` whose reference is a second model, run on every batch.
 
-    The candidate (``model`` + ``quantize``) gives the usual perplexity result; ``compare_result`` holds
-    :class:`KLDivergence`'s statistics. The reference is quantized, wrapped and sharded like the candidate.
+    The candidate (``model`` + ``quantize``) gives the usual perplexity result. The reference is built by
+    :class:`PerplexityModule`'s one pipeline, quantized, split and sharded like the candidate.
 
     Args:
         model: the candidate model.
@@ -78,8 +88,6 @@ class CompareModule(PerplexityModule):
         reference_dtype: the reference's weight dtype (``None``: the run's precision); under a mixed
             precision the reference then runs with autocast off, so it really computes in that dtype.
     """
-
-    scorer_cls = CompareScorer
 
     def __init__(
         self,
@@ -94,19 +102,12 @@ class CompareModule(PerplexityModule):
     ) -> None:
         super().__init__(model, chunk_size=chunk_size, layout=layout, quantize=quantize, **kwargs)
         self.ref_spec, self.ref_quantize, self.ref_dtype = reference, reference_quantize, reference_dtype
-        self.reference: CompareScorer | None = None  # built by the same pipeline as the candidate
+        self.reference: TokenScorer | None = None  # built by the same pipeline as the candidate
         self.reference_report: Any = None
-        self.kl = KLDivergence(exact=self.deterministic)
-        self.compare_result: dict[str, Any] = {}
 
     def configure_model(self) -> None:
         if self.scorer is not None:
             return
-        if self.layout is not None and self.layout.tp > 1:
-            raise LitPplError(
-                f"compare.reference with parallel.tp={self.layout.tp}: the KL divergence needs both models' full "
-                "vocabulary per token, which tensor parallelism splits; use parallel.tp=1 (e.g. strategy=fsdp)"
-            )
         precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
         dtype = LOAD_DTYPE.get(precision, torch.float32)
         ref_dtype = self.ref_dtype or dtype
@@ -128,23 +129,13 @@ class CompareModule(PerplexityModule):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, enabled=False)
 
-    def score(self, batch: dict[str, Any]) -> Tensor:
+    def reference_stats(self, batch: dict[str, Any], hidden: Tensor, scorer: TokenScorer) -> dict[str, Tensor]:
+        # Inside the candidate's forward; the reference's forward nests in it, so both heads are gathered.
+        def compare(hidden_base: Tensor, reference: TokenScorer) -> dict[str, Tensor]:
+            return self.stats(hidden, batch["targets"], scorer, hidden_base, reference.head)
+
         ids, index, targets = batch["input_ids"], batch["score_index"], batch["targets"]
-
-        def candidate(hidden: Tensor, head: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
-            # Inside the candidate's forward; the reference's forward nests in it, so both heads are gathered.
-            def reference(hidden_base: Tensor, head_base: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
-                return token_stats(hidden, hidden_base, targets, head, head_base, self.chunk_size, self._base_context)
-
-            return self.reference(ids, index, targets, then=reference, context=self._base_context)
-
-        stats = self.scorer(ids, index, targets, then=candidate)
-        self.kl.update(**stats)
-        return stats["nll"]
-
-    def on_validation_epoch_end(self) -> None:
-        super().on_validation_epoch_end()
-        self.compare_result = self.kl.compute()
+        return self.reference(ids, index, targets, then=compare, context=self._base_context)
 
     def holds_quantized_weights(self) -> bool:
         return super().holds_quantized_weights() or self.ref_quantize is not None
@@ -152,11 +143,72 @@ class CompareModule(PerplexityModule):
     def result_fields(self) -> dict[str, Any]:
         """The candidate's fields, the reference's quantization and the comparison's statistics."""
         ref = self.reference_report
-        return {
-            **super().result_fields(),
-            "reference_quant": ref.to_dict() if ref is not None else None,
-            "compare": self.compare_result,
-        }
+        return {**super().result_fields(), "reference_quant": ref.to_dict() if ref is not None else None}
+
+
+class SavedCompareModule(KLModule):
+    """A :class:`KLModule` whose reference is a saved store (``compare=saved``): its hidden states are read for each
+    batch's tokens and its head applied, so no reference model is loaded. Under tensor parallelism each rank keeps its
+    vocabulary slice of the stored head; under FSDP the head is sharded like the candidate's."""
+
+    def __init__(self, model: ModelSpec, store: str, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.store_dir = store
+        self.saved: SavedReference | None = None
+        self.stored_head: StoredHead | None = None
+        self._checked = False
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.saved is None:
+            self.saved = SavedReference(self.store_dir, store_keys(self.trainer.datamodule))
+
+    def configure_model(self) -> None:
+        if self.stored_head is not None:
+            return
+        super().configure_model()
+        assert self.saved is not None and self.scorer is not None
+        head = self.saved.head(vocab_rows(self.scorer)).to(self.device)
+        dp_mesh = fsdp_mesh(self.mesh, self.layout) if self.layout is not None and self.layout.sharded else None
+        if dp_mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(head, mesh=dp_mesh, reshard_after_forward=False)  # gathered once per batch, then resharded
+        self.stored_head = head
+
+    def reference_stats(self, batch: dict[str, Any], hidden: Tensor, scorer: TokenScorer) -> dict[str, Tensor]:
+        assert self.saved is not None and self.stored_head is not None
+        hidden_base, nll_saved = self.saved.read(batch["token_index"], batch["targets"], hidden.device)
+        head = self.stored_head
+        sharded = hasattr(head, "unshard")  # its own FSDP root, called inside the candidate's: gathered by hand
+        if sharded:
+            head.unshard()
+        try:
+            stats = self.stats(hidden, batch["targets"], scorer, hidden_base.to(head.weight.dtype), head)
+        finally:
+            if sharded:
+                head.reshard()
+        if not self._checked and nll_saved.numel():
+            self._check(stats["nll_base"], nll_saved)
+        return stats
+
+    def result_fields(self) -> dict[str, Any]:
+        """The candidate's fields, the comparison's statistics and which reference they were measured against."""
+        assert self.saved is not None
+        manifest = self.saved.manifest
+        source = {"store": self.store_dir, "model": manifest.get("model"), "dtype": manifest.get("dtype")}
+        return {**super().result_fields(), "reference_store": source}
+
+    def _check(self, nll_base: Tensor, nll_saved: Tensor) -> None:
+        """The stored head on the stored hidden states must give the NLLs the saving run scored (first batch)."""
+        self._checked = True
+        tolerance = CHECK_TOLERANCE.get(self.saved.dtype, CHECK_TOLERANCE_16BIT)
+        gap = float((nll_base - nll_saved).abs().max())
+        if not gap <= tolerance:
+            raise LitPplError(
+                f"compare.reference.store={self.store_dir!r}: its head and hidden states give NLLs {gap:.3g} away "
+                f"from the ones it saved (tolerance {tolerance:g}): the store is damaged"
+            )
 
 
 def reference_spec(reference: str | dict[str, Any], model: ModelSpec) -> tuple[ModelSpec, Any, torch.dtype | None]:

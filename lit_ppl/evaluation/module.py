@@ -12,6 +12,7 @@ from torchmetrics import Metric
 
 from lit_ppl.data.batch_plan import ScorerProbe
 from lit_ppl.errors import LitPplError
+from lit_ppl.evaluation.reference import TokenOutputs
 from lit_ppl.metrics.perplexity import NLLBreakdown, Perplexity
 from lit_ppl.model.scorer import TokenScorer, check_scorer
 from lit_ppl.model.spec import ModelSpec, key_problem
@@ -57,9 +58,8 @@ class PerplexityModule(L.LightningModule):
         deterministic: accumulate in exact fixed-point sums (:mod:`lit_ppl.metrics.exact`), the same at any world size.
         breakdown: also sum the NLL per document and per window position (:class:`NLLBreakdown`: ``per_document``
             and ``result["nll_by_position"]``); off, the step loop skips its scatter-adds.
+        outputs: per-token files (:mod:`lit_ppl.evaluation.reference`), or ``None``.
     """
-
-    scorer_cls: type[TokenScorer] = TokenScorer
 
     def __init__(
         self,
@@ -71,8 +71,12 @@ class PerplexityModule(L.LightningModule):
         compile_decoder: bool = False,
         deterministic: bool = False,
         breakdown: bool = False,
+        outputs: TokenOutputs | None = None,
     ) -> None:
         super().__init__()
+        self.outputs = outputs  # per-token files (report.per_token, save_reference), written in corpus order
+        self._hidden: torch.Tensor | None = None  # the step's scored hidden states, when save_reference keeps them
+        self.output_files: dict[str, Any] = {}  # rank 0: where the per-token files went (results.json)
         self.deterministic, self.want_breakdown = deterministic, breakdown
         self.compile_decoder = compile_decoder
         self.spec, self.chunk_size, self.layout, self.quantize = model, chunk_size, layout, quantize
@@ -118,7 +122,7 @@ class PerplexityModule(L.LightningModule):
         but the reader ever holds the whole model (:mod:`lit_ppl.parallel.sharding`); the built-in model is built whole
         (it is small and seeded alike on every rank) and split the same way.
         """
-        layout, cls = self.layout, self.scorer_cls
+        layout, cls = self.layout, TokenScorer
         if layout is None or not layout.sharded:
             lm = spec.build(dtype, self.device)
             report = quantize(lm) if quantize is not None else None
@@ -176,6 +180,8 @@ class PerplexityModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         dm = self.trainer.datamodule
+        if self.outputs is not None and self.outputs.datamodule is None:
+            self.outputs.setup(dm)
         if not self.want_breakdown or self.breakdown is not None:
             return
         if dm is not None and getattr(dm, "corpus", None) is not None:
@@ -194,7 +200,7 @@ class PerplexityModule(L.LightningModule):
 
     def result_fields(self) -> dict[str, Any]:
         """What this module contributes to ``results.json`` beside the metric's statistics: its quantization."""
-        return {"quant": self.quant_report.to_dict() if self.quant_report is not None else None}
+        return {"quant": self.quant_report.to_dict() if self.quant_report is not None else None, **self.output_files}
 
     def metrics(self) -> dict[str, Metric]:
         """Every torchmetrics state of the module: what syncs across ranks and what a resume restores."""
@@ -208,12 +214,21 @@ class PerplexityModule(L.LightningModule):
             keep_freed_memory_in_heap()  # no page faults per step (benchmarks/README.md)
         self._control = control_group()
         self.scorer_check = check_scorer(self.scorer, self.device)
+        if self.outputs is not None:
+            self.outputs.open(self.scorer, self.global_rank == 0)
         self._first_bad_step = torch.tensor(-1, device=self.device)
         self._t0 = time.perf_counter()
 
     def score(self, batch: dict[str, Any]) -> torch.Tensor:
         """Per-token NLL of the batch's scored tokens; subclasses may gather more statistics on the way."""
-        return self.scorer(batch["input_ids"], batch["score_index"], batch["targets"])
+        if self.outputs is None or not self.outputs.wants_hidden:
+            return self.scorer(batch["input_ids"], batch["score_index"], batch["targets"])
+
+        def keep(hidden: torch.Tensor, scorer: TokenScorer) -> torch.Tensor:
+            self._hidden = hidden
+            return scorer.nll(hidden, batch["targets"])
+
+        return self.scorer(batch["input_ids"], batch["score_index"], batch["targets"], then=keep)
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         nll = self.score(batch)
@@ -225,11 +240,16 @@ class PerplexityModule(L.LightningModule):
             # Remember the first step with a non-finite loss without a host sync in the loop.
             bad = ~finite.all()
             self._first_bad_step = torch.where(bad & (self._first_bad_step < 0), batch_idx, self._first_bad_step)
+            if self.outputs is not None:
+                self.outputs.write(batch, nll, self._hidden)
+        self._hidden = None
         self.tokens_seen += batch["targets"].numel()
         self.steps += 1
 
     def progress_state(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue bit-identically (host copies; called between steps)."""
+        if self.outputs is not None:
+            self.outputs.flush()  # the per-token rows written so far: a resumed run rewrites only the later ones
         return {
             "metrics": {
                 name: {k: _to_host(v) for k, v in metric.metric_state.items()}
@@ -253,6 +273,8 @@ class PerplexityModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         seconds = time.perf_counter() - self._t0
         t_sync = time.perf_counter()
+        if self.outputs is not None:
+            self.outputs.flush()  # before the sync: once rank 0 is past it, every rank's rows are in the files
         check_peers(self._control, self.timeout_s, "the final metric sync")
         stats = self.metric.compute()  # the one cross-rank synchronisation of the metric
         sync_s = time.perf_counter() - t_sync
@@ -292,4 +314,6 @@ class PerplexityModule(L.LightningModule):
                 "count": parts["pos_count"].tolist(),
             }
             self.per_document = (parts["doc_tokens"], parts["doc_nll_sum"])
+        if self.outputs is not None and self.global_rank == 0:
+            self.output_files = self.outputs.finish({"ppl": self.result["ppl"], "model": self.spec.path})
         self.log_dict({"ppl": stats["ppl"].float(), "nll_mean": stats["nll_mean"].float()}, sync_dist=False)

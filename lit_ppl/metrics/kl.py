@@ -43,6 +43,8 @@ def token_stats(
     head_base: Callable[[Tensor], Tensor],
     chunk_size: int,
     base_context: Callable[[], Any] = contextlib.nullcontext,
+    vocab_group: Any = None,
+    vocab_start: int = 0,
 ) -> dict[str, Tensor]:
     """Per-token NLLs, KL(base ‖ candidate), Δp and top-1 agreement, ``chunk_size`` positions at a time.
 
@@ -53,6 +55,9 @@ def token_stats(
         head: the candidate's output head; ``head_base`` the reference's.
         chunk_size: positions per chunk: peak extra memory is a few ``chunk_size × vocab`` float64 arrays.
         base_context: context manager the reference head runs in (e.g. autocast disabled).
+        vocab_group: under tensor parallelism, the process group over which both heads split the vocabulary (each
+            rank's heads give the same slice, starting at ``vocab_start``): every statistic is then a sum, max or min
+            over the slices (:func:`_vocab_parallel`), three all-reduces per chunk, never a full row of logits.
 
     Returns:
         ``nll``, ``nll_base``, ``kld``, ``p_diff`` (float64) and ``same_top`` (bool), each ``(n,)``.
@@ -60,25 +65,59 @@ def token_stats(
     parts: dict[str, list[Tensor]] = {k: [] for k in ("nll", "nll_base", "kld", "p_diff", "same_top")}
     for start in range(0, targets.shape[0], chunk_size):
         end = start + chunk_size
-        logq = head(hidden[start:end]).to(torch.float64).log_softmax(-1)
+        q = head(hidden[start:end]).to(torch.float64)
         with base_context():
-            logp = head_base(hidden_base[start:end]).to(torch.float64).log_softmax(-1)
-        if logq.shape[-1] != logp.shape[-1]:
-            raise LitPplError(f"the reference's vocabulary has {logp.shape[-1]} entries, the model's {logq.shape[-1]}")
-        tgt = targets[start:end, None]
-        nll, nll_base = -logq.gather(1, tgt)[:, 0], -logp.gather(1, tgt)[:, 0]
-        p = logp.exp()
-        # p·(log p − log q) with 0·(−inf) taken as 0: tokens the reference gives no mass add nothing.
-        parts["kld"].append(torch.where(p > 0, p * (logp - logq), 0.0).sum(-1))
-        parts["nll"].append(nll)
-        parts["nll_base"].append(nll_base)
-        parts["p_diff"].append(torch.exp(-nll) - torch.exp(-nll_base))
-        parts["same_top"].append(logq.argmax(-1) == logp.argmax(-1))
+            p = head_base(hidden_base[start:end]).to(torch.float64)
+        if q.shape[-1] != p.shape[-1]:
+            raise LitPplError(f"the reference's vocabulary has {p.shape[-1]} entries, the model's {q.shape[-1]}")
+        tgt = targets[start:end]
+        split = vocab_group is not None
+        stats = _vocab_parallel(q, p, tgt, vocab_group, vocab_start) if split else _full_vocab(q, p, tgt)
+        for k, v in zip(("nll", "nll_base", "kld", "same_top"), stats, strict=True):
+            parts[k].append(v)
+        parts["p_diff"].append(torch.exp(-stats[0]) - torch.exp(-stats[1]))
     empty = {"same_top": torch.zeros(0, dtype=torch.bool, device=hidden.device)}
     return {
         k: torch.cat(v) if v else empty.get(k, torch.zeros(0, dtype=torch.float64, device=hidden.device))
         for k, v in parts.items()
     }
+
+
+def _kld(logp: Tensor, logq: Tensor) -> Tensor:
+    p = logp.exp()
+    # p·(log p − log q) with 0·(−inf) taken as 0: tokens the reference gives no mass add nothing.
+    return torch.where(p > 0, p * (logp - logq), 0.0).sum(-1)
+
+
+def _full_vocab(q: Tensor, p: Tensor, targets: Tensor) -> tuple[Tensor, ...]:
+    logq, logp = q.log_softmax(-1), p.log_softmax(-1)
+    tgt = targets[:, None]
+    nll, nll_base = -logq.gather(1, tgt)[:, 0], -logp.gather(1, tgt)[:, 0]
+    return nll, nll_base, _kld(logp, logq), logq.argmax(-1) == logp.argmax(-1)
+
+
+def _vocab_parallel(q: Tensor, p: Tensor, targets: Tensor, group: Any, start: int) -> tuple[Tensor, ...]:
+    """:func:`_full_vocab` of logits split over ``group`` by vocabulary: log-sum-exp, the target's logit and KLD as
+    sums over the slices, the top-1 token as the first index holding the largest logit (``argmax``'s tie rule)."""
+    import torch.distributed as dist
+
+    both = torch.stack([q, p])  # (2, m, v): candidate, reference
+    maxes = both.amax(-1)  # (2, m)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+    local = targets - start
+    mine = (local >= 0) & (local < q.shape[-1])
+    picked = both.gather(2, local.clamp(0, q.shape[-1] - 1).expand(2, -1)[..., None])[..., 0]
+    picked = torch.where(mine, picked, 0.0)
+    sums = torch.cat([(both - maxes[..., None]).exp().sum(-1), picked])  # (4, m)
+    dist.all_reduce(sums, group=group)
+    lse = sums[:2].log() + maxes  # (2, m)
+    logq, logp = q - lse[0, :, None], p - lse[1, :, None]
+    first = torch.where(both.amax(-1) == maxes, both.argmax(-1) + start, torch.iinfo(torch.int64).max)
+    kld = _kld(logp, logq)
+    dist.all_reduce(kld, group=group)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    nll, nll_base = lse[0] - sums[2], lse[1] - sums[3]
+    return nll, nll_base, kld, first[0] == first[1]
 
 
 class KLDivergence(SumStates):

@@ -72,3 +72,16 @@ def cross_entropy_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     maxes = logits.amax(dim=1)
     logits.sub_(maxes[:, None]).exp_()
     return logits.sum(dim=1).log_().add_(maxes).sub_(picked)
+
+
+# Bytes per vocabulary entry of one chunk row at its peak: the loss keeps one float32 row of logits (computed in
+# place); a comparison keeps float64 logits, log-softmaxes and probabilities of both models (lit_ppl.metrics.kl).
+ROW_BYTES_PER_LOGIT = {"nll": 4, "compare": 48}
+
+
+def auto_chunk(chunk_size: int | str, vocab: int, budget_mb: int, path: str = "nll") -> int:
+    """``chunk_size``, or for ``"auto"`` the most rows whose logits stay within ``budget_mb`` MiB (at least 1):
+    memory that follows the budget, not the vocabulary (a 262k vocabulary costs what a 32k one does)."""
+    if chunk_size != "auto":
+        return int(chunk_size)
+    return max(1, budget_mb * 2**20 // (ROW_BYTES_PER_LOGIT[path] * vocab))

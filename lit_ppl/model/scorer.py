@@ -10,8 +10,10 @@ stops the run instead of giving a wrong number.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,6 +35,9 @@ LOGIT_SCALES: dict[str, Callable[[object], float]] = {
     "falcon_h1": lambda c: c.lm_head_multiplier,
 }
 
+# What a scorer's forward hands its scored hidden states and itself to (see TokenScorer.forward).
+Then = Callable[[torch.Tensor, "TokenScorer"], Any]
+
 CHECK_TOKENS = 16  # length of the self-check window
 # Largest |Δ log p| the self-check accepts: the two paths run the same ops, so in float32 or wider they agree to
 # rounding; in 16-bit the head's output is rounded to 8 (bf16) or 11 (fp16) bits, a few hundredths of a nat.
@@ -50,22 +55,26 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return decoder, model.get_output_embeddings()
 
 
+def logit_transform(config: object) -> tuple[float | None, float | None]:
+    """``(scale, soft-cap)`` the architecture applies to the head's output (``None``: none)."""
+    scale_of = LOGIT_SCALES.get(config.model_type)
+    scale = None if scale_of is None else scale_of(config)
+    return (None if scale == 1.0 else scale), getattr(config, "final_logit_softcapping", None)  # cap: Gemma 2/3
+
+
+def transform(logits: torch.Tensor, scale: float | None, cap: float | None) -> torch.Tensor:
+    """The head's output as the model's ``forward`` returns it: scaled, then soft-capped."""
+    if scale is not None:
+        logits = logits * scale
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
 def head_fn(model: nn.Module, head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """The head as a function, with the logit scaling / soft-capping the architecture applies after it."""
-    cfg = model.config
-    scale_of = LOGIT_SCALES.get(cfg.model_type)
-    scale = None if scale_of is None else scale_of(cfg)
-    cap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3
-
-    def apply(hidden: torch.Tensor) -> torch.Tensor:
-        logits = head(hidden)
-        if scale is not None and scale != 1.0:
-            logits = logits * scale
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
-    return apply
+    scale, cap = logit_transform(model.config)
+    return lambda hidden: transform(head(hidden), scale, cap)
 
 
 class TokenScorer(nn.Module):
@@ -94,12 +103,30 @@ class TokenScorer(nn.Module):
         """The decoder's last hidden states, ``(b, t, d)``."""
         return self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state
 
-    def forward(self, input_ids: torch.Tensor, score_index: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        hidden = self.hidden(input_ids)  # (b, t, d)
-        scored = hidden.reshape(-1, hidden.shape[-1]).index_select(0, score_index)  # (n, d)
-        nll = chunked_nll(scored, targets, self.head, self.chunk_size, self.loss)  # (n,)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        score_index: torch.Tensor,
+        targets: torch.Tensor,
+        then: Then | None = None,
+        context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> Any:
+        """The per-token NLL ``(n,)``, or with ``then``: ``then(hidden states of the scored positions (n, d), self)``.
+
+        ``then`` runs inside this module's forward, so that under FSDP2 the root's parameters (final norm, head) are
+        gathered for it by FSDP's own hooks: a comparison nests the reference's forward in the candidate's.
+        ``context`` wraps the decoder only (e.g. autocast off for a reference of another dtype).
+        """
+        with context():
+            hidden = self.hidden(input_ids)  # (b, t, d)
+            scored = hidden.reshape(-1, hidden.shape[-1]).index_select(0, score_index)  # (n, d)
+        out = self.nll(scored, targets) if then is None else then(scored, self)
         self.release_head()
-        return nll
+        return out
+
+    def nll(self, scored: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token NLL of hidden states ``scored`` ``(n, d)`` through this model's head, chunk by chunk."""
+        return chunked_nll(scored, targets, self.head, self.chunk_size, self.loss)
 
     def release_head(self) -> None:
         """Free the gathered output head once every chunk is scored (an FSDP2 unit kept gathered across chunks)."""

@@ -57,6 +57,11 @@ def print_results_table(results: dict[str, Any]) -> None:
                 f"{100 * quant['full_precision_fraction']:.1f}% of weight bytes in full precision",
             )
         )
+    saved, store = results.get("saved_reference"), results.get("reference_store")
+    if saved:
+        rows.append(("saved reference", f"{saved['path']} · {saved['bytes'] / 2**20:,.1f} MiB"))
+    if store:
+        rows.append(("reference", f"saved: {store['store']} ({store['model']}, {store['dtype']})"))
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)

@@ -7,12 +7,15 @@ Slurm job of a sweep, or two ranks) each replace it whole: a reader never sees h
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from lit_ppl.errors import LitPplError
 
 
 @contextlib.contextmanager
@@ -87,8 +90,6 @@ def run_lock(directory: Path, holder: bool) -> Iterator[None]:
     left by a process that is gone (on this host) or by an earlier attempt of the same Slurm job is taken over."""
     import socket
 
-    from lit_ppl.errors import LitPplError
-
     if not holder:
         yield
         return
@@ -123,3 +124,31 @@ def run_lock(directory: Path, holder: bool) -> Iterator[None]:
         with contextlib.suppress(OSError, ValueError):
             if json.loads(lock.read_text()) == mine:
                 lock.unlink()
+
+
+def shared_npy(path: str | Path, shape: tuple[int, ...], dtype: Any) -> Any:
+    """A writable memory map of the ``.npy`` file ``path`` of ``shape`` and ``dtype``, created if absent.
+
+    Every rank (on any node of a shared filesystem) may open it at once and write its own rows: each writes the same
+    header and sets the same length (``ftruncate`` to the current size keeps what others wrote), so no rank has to
+    wait for a creator, and a rerun after preemption keeps the rows written before. ``np.load`` reads the result.
+    """
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, header)
+    head = buffer.getvalue()
+    size = len(head) + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        if os.fstat(fd).st_size not in (0, size):
+            raise LitPplError(f"{path} holds {os.fstat(fd).st_size} bytes, not the {size} of a {shape} {dtype} array")
+        os.ftruncate(fd, size)
+        os.pwrite(fd, head, 0)
+    finally:
+        os.close(fd)
+    return np.memmap(path, dtype=dtype, mode="r+", offset=len(head), shape=tuple(shape))
