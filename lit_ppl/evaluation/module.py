@@ -122,16 +122,16 @@ class PerplexityModule(L.LightningModule):
         but the reader ever holds the whole model (:mod:`lit_ppl.parallel.sharding`); the built-in model is built whole
         (it is small and seeded alike on every rank) and split the same way.
         """
-        layout, cls = self.layout, TokenScorer
+        layout = self.layout
         if layout is None or not layout.sharded:
             lm = spec.build(dtype, self.device)
             report = quantize(lm) if quantize is not None else None
-            return self._finish(cls(lm, self.chunk_size)), report
+            return self._finish(TokenScorer(lm, self.chunk_size)), report
         tp = tp_group(self.mesh, layout)
         lm = spec.build(dtype) if spec.is_builtin else spec.build_empty(dtype)
         expected = set(lm.state_dict())
         splits = parallelize(lm, tp) if tp is not None else {}
-        scorer = cls(lm, self.chunk_size, tp)
+        scorer = TokenScorer(lm, self.chunk_size, tp)
         dp_mesh = fsdp_mesh(self.mesh, layout)
         if quantize is None and dp_mesh is not None:
             fully_shard_blocks(scorer, dp_mesh, set())
