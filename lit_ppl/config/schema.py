@@ -90,7 +90,10 @@ class EvalConfig:
 
     mode: str = field(
         default="rolling",
-        metadata=meta("lm-eval rolling windows, HF strided windows, or disjoint blocks", choices=EVAL_MODES),
+        metadata=meta(
+            "lm-eval rolling windows, HF strided windows, disjoint blocks, or llama-perplexity chunks",
+            choices=EVAL_MODES,
+        ),
     )
     seq_len: int = field(default=512, metadata=meta("most input tokens per window"))
     stride: int | None = field(default=None, metadata=meta("sliding mode's stride"))
@@ -174,7 +177,7 @@ class ValidateConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig, metadata=meta("model=builtin|hf"))
     data: DataConfig = field(default_factory=DataConfig, metadata=meta("data=demo|text|wikitext2"))
-    eval: EvalConfig = field(default_factory=EvalConfig, metadata=meta("eval=rolling|sliding|block"))
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata=meta("eval=rolling|sliding|block|llamacpp"))
     trainer: dict[str, Any] = field(
         default_factory=dict, metadata=meta("Lightning Trainer arguments", check=check_trainer)
     )
