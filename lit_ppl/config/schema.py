@@ -47,6 +47,9 @@ class ModelConfig:
     # No default here (ModelSpec's is builtin): model=hf's `path: ???` must stay required, and a merge keeps an
     # existing value under ???.
     path: str = field(default=MISSING, metadata=meta("builtin, a Hugging Face checkpoint directory or a hub id"))
+    gguf_file: str | None = field(
+        default=None, metadata=meta("the GGUF file in the directory or hub repository model.path (or path=FILE.gguf)")
+    )
     trust_remote_code: bool = field(default=False, metadata=meta("run the checkpoint's own Python code"))
     revision: str | None = field(default=None, metadata=meta("hub revision (branch, tag or commit)"))
     seed: int = field(default=0, metadata=meta("built-in model: initialisation seed"))

@@ -194,7 +194,10 @@ class PerplexityModule(L.LightningModule):
 
     def result_fields(self) -> dict[str, Any]:
         """What this module contributes to ``results.json`` beside the metric's statistics: its quantization."""
-        return {"quant": self.quant_report.to_dict() if self.quant_report is not None else None}
+        stored = self.spec.stored_quantization()  # what the checkpoint itself holds (a GGUF's GGML types, ...)
+        if self.quant_report is None:
+            return {"quant": stored}
+        return {"quant": self.quant_report.to_dict() | ({"checkpoint": stored} if stored else {})}
 
     def metrics(self) -> dict[str, Metric]:
         """Every torchmetrics state of the module: what syncs across ranks and what a resume restores."""

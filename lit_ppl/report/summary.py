@@ -54,7 +54,12 @@ def print_results_table(results: dict[str, Any]) -> None:
         if results.get(key):
             rows.append((name, per_rank(results[key])))
     quant = results.get("quant")
-    if quant:
+    if quant and quant.get("source") == "checkpoint":  # quantized by another tool, evaluated as stored
+        held = quant.get("ggml_types") or {"modules": quant["quantized_modules"]}
+        bits = f" · {quant['bits']:.2f} bits" if quant.get("bits") else ""
+        types = " ".join(f"{k}×{v}" for k, v in sorted(held.items(), key=lambda kv: -kv[1]))
+        rows.append(("quant (checkpoint)", f"{quant['name']}{bits} · {types}"))
+    elif quant:
         rows.append(
             (
                 f"quant={quant['name']}",
