@@ -180,11 +180,19 @@ class ModelSpec:
     def stored_quantization(self) -> dict[str, Any] | None:
         """The checkpoint's own quantization (``source: checkpoint``; :mod:`lit_ppl.model.stored`), ``None`` for
         float weights."""
-        if self.gguf_file is not None:
-            from lit_ppl.model.stored import gguf_description
+        if self.is_builtin:
+            return None
+        if "stored" not in self.__dict__:  # read once: the table, results.json and the layout all ask
+            from lit_ppl.model.stored import gguf_description, hf_description
 
-            return gguf_description(Path(self.location).expanduser() / self.gguf_file)
-        return None
+            root = Path(self.location).expanduser()
+            if self.gguf_file is not None:
+                self.__dict__["stored"] = gguf_description(root / self.gguf_file)
+            else:
+                qc = getattr(self.config(), "quantization_config", None)
+                qc = qc.to_dict() if hasattr(qc, "to_dict") else qc
+                self.__dict__["stored"] = hf_description(self.path, root, qc) if qc else None
+        return self.__dict__["stored"]
 
     def limits(self) -> tuple[int, int | None]:
         """``(vocab_size, max_positions)`` from the model's config, without loading its weights."""
@@ -193,6 +201,7 @@ class ModelSpec:
         from transformers import AutoConfig
 
         cfg = self._from_pretrained(AutoConfig, "has no config transformers can read")
+        self.stored_quantization()  # a quantized format this installation cannot run: one line now
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         if cfg.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not self.trust_remote_code:
