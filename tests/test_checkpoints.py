@@ -172,3 +172,21 @@ def test_quantized_checkpoints_without_a_path_are_one_line(int8_checkpoint, tmp_
         LitPplError, match=r"is already quantized \(torchao:int8\); evaluate it as stored with quant=none"
     ):
         evaluate_overrides([f"model.path={int8_checkpoint}", "quant=int8"], tmp_path / "twice")
+
+
+def test_compare_across_formats(gguf_files, int8_checkpoint, int8_reference, docs_file, tmp_path):
+    """``compare.reference.path`` the float checkpoint while ``model.path`` is a GGUF or a torchao checkpoint."""
+    path, dequantized = gguf_files["Q8_0"]
+    r = evaluate_overrides(
+        _args(docs_file, f"model.path={path}", "compare=unquantized", f"compare.reference.path={dequantized}"),
+        tmp_path / "gguf",
+    )
+    c = r["compare"]  # the same weights in two formats: no divergence at all
+    assert c["kld_max"] == 0.0 and c["ppl"] == c["ppl_base"] and r["quant"]["name"] == "gguf:Q8_0"
+    r = evaluate_overrides(
+        _args(docs_file, f"model.path={int8_checkpoint}", "compare=unquantized", f"compare.reference.path={STORIES}"),
+        tmp_path / "int8",
+    )
+    c = r["compare"]
+    assert r["ppl"] == pytest.approx(int8_reference["ppl"], rel=1e-6) and c["kld_mean"] > 0
+    assert c["ppl_base"] != pytest.approx(c["ppl"], rel=1e-6) and r["quant"]["name"] == "torchao:int8"
