@@ -55,9 +55,10 @@ def print_results_table(results: dict[str, Any]) -> None:
             rows.append((name, per_rank(results[key])))
     quant = results.get("quant")
     if quant and quant.get("source") == "checkpoint":  # quantized by another tool, evaluated as stored
-        held = quant.get("ggml_types") or {"modules": quant["quantized_modules"]}
+        held = quant.get("ggml_types")  # a GGUF's tensors of each GGML type, else the quantized modules
         bits = f" · {quant['bits']:.2f} bits" if quant.get("bits") else ""
-        types = " ".join(f"{k}×{v}" for k, v in sorted(held.items(), key=lambda kv: -kv[1]))
+        count = f"{quant.get('quantized_modules', 0)} modules"
+        types = " ".join(f"{k}×{v}" for k, v in sorted(held.items(), key=lambda kv: -kv[1])) if held else count
         rows.append(("quant (checkpoint)", f"{quant['name']}{bits} · {types}"))
     elif quant:
         rows.append(
