@@ -189,4 +189,6 @@ def test_compare_across_formats(gguf_files, int8_checkpoint, int8_reference, doc
     )
     c = r["compare"]
     assert r["ppl"] == pytest.approx(int8_reference["ppl"], rel=1e-6) and c["kld_mean"] > 0
+    with pytest.raises(LitPplError, match=r"stored quantized .*torchao:int8.* set compare.reference.path="):
+        evaluate_overrides(_args(docs_file, f"model.path={int8_checkpoint}", "compare=unquantized"), tmp_path / "x")
     assert c["ppl_base"] != pytest.approx(c["ppl"], rel=1e-6) and r["quant"]["name"] == "torchao:int8"
