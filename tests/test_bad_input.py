@@ -143,7 +143,7 @@ CASES = [
         "bad mode",
         lambda t: ["eval.mode=zigzag"],
         ValueError,
-        "eval.mode='zigzag' is not one of rolling, sliding, block",
+        "eval.mode='zigzag' is not one of rolling, sliding, block, llamacpp",
     ),
     (
         "group size fits no layer",

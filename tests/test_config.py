@@ -40,7 +40,7 @@ BAD = [
     (["eval.seq_len=x"], "lit-ppl: error: eval.seq_len='x' is not of type int"),
     (["parallel.tp=two"], "lit-ppl: error: parallel.tp='two' is not of type int >= 1 | -1"),
     (["parallel.dp_shard=0"], "lit-ppl: error: parallel.dp_shard=0 must be a positive integer or -1"),
-    (["eval.mode=zigzag"], "lit-ppl: error: eval.mode='zigzag' is not one of rolling, sliding, block"),
+    (["eval.mode=zigzag"], "lit-ppl: error: eval.mode='zigzag' is not one of rolling, sliding, block, llamacpp"),
     (["strategy.name=megatron"], "lit-ppl: error: strategy.name='megatron' is not one of auto, ddp, fsdp, hsdp, tp,"),
     (["precision=fp8"], "lit-ppl: error: precision='fp8' is not one of transformer-engine,"),
     (
@@ -121,7 +121,7 @@ def test_help_lists_every_key_with_its_type(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for line in (
-        "eval.mode: rolling | sliding | block = rolling",
+        "eval.mode: rolling | sliding | block | llamacpp = rolling",
         "eval.seq_len: int = 512",
         "batch_size: int | auto = 8",
         "strategy.name: auto | ddp | fsdp | hsdp | tp | fsdp_tp = auto",

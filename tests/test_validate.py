@@ -91,7 +91,7 @@ def test_bad_override_fails_with_message(tmp_path):
     """Refused by the schema right after composition: one line, before torch is imported (so no longer slow)."""
     proc, results = run_entry(["eval.mode=zigzag"], tmp_path)
     assert proc.returncode == 2 and results is None
-    assert proc.stderr.strip() == "lit-ppl: error: eval.mode='zigzag' is not one of rolling, sliding, block"
+    assert proc.stderr.strip() == "lit-ppl: error: eval.mode='zigzag' is not one of rolling, sliding, block, llamacpp"
 
 
 @pytest.mark.slow

@@ -1,5 +1,8 @@
 """Every mode scores every document token exactly once, within seq_len inputs, without crossing documents."""
 
+import json
+import math
+
 import numpy as np
 import pytest
 
@@ -113,3 +116,58 @@ def test_bad_window_arguments(kwargs, match):
     args = {"mode": "rolling", "doc_lengths": [5], "seq_len": L, "stride": None, **kwargs}
     with pytest.raises(ValueError, match=match):
         build_windows(args["mode"], np.array(args["doc_lengths"]), args["seq_len"], args["stride"])
+
+
+@pytest.mark.parametrize("bos_first", [True, False])
+@pytest.mark.parametrize("lengths", [[2 * L], [3, 17, 9], [5 * L + 3, 1, 2]])
+def test_llamacpp_chunks_the_joined_stream(lengths, bos_first):
+    corpus = _corpus(lengths)
+    w = build_windows("llamacpp", corpus.doc_lengths, L, bos_first=bos_first)
+    stream = ([0] if bos_first else []) + [1000 * (d + 1) + i for d, n in enumerate(lengths) for i in range(n)]
+    chunks = [stream[i * L : (i + 1) * L] for i in range(len(stream) // L)]  # llama-perplexity's, tail dropped
+    assert len(w) == len(chunks) and (w.lengths == L - 1).all()
+    batch = WindowCollator(corpus, w)(list(range(len(w))))
+    inputs = batch["input_ids"].numpy()
+    for row, chunk in zip(inputs, chunks, strict=True):
+        assert row.tolist() == ([0] if bos_first else chunk[:1]) + chunk[1 : L - 1]  # BOS in place of the first
+    expected = [t for chunk in chunks for t in chunk[L // 2 + 1 :]]
+    assert batch["targets"].tolist() == expected
+    assert len(expected) == len(chunks) * (L - 1 - L // 2)
+    starts = np.cumsum([0, *lengths[:-1]]) + bos_first
+    assert w.documents.sum() == (starts < len(chunks) * L).sum() and w.words.sum() == 0
+
+
+def test_llamacpp_needs_two_chunks_of_tokens():
+    with pytest.raises(ValueError, match=r"eval.mode=llamacpp needs at least 2·n_ctx = 16 tokens.*has 15"):
+        build_windows("llamacpp", np.array([7, 7]), L)
+
+
+def test_llamacpp_equals_a_float64_reimplementation(compose, stories, docs_file):
+    """Real model, real text: lit-ppl's llamacpp mode against llama-perplexity's loop written out in float64."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lit_ppl.run import evaluate
+
+    n_ctx = 96
+    r = evaluate(compose(f"model.path={stories}", f"data.path={docs_file}", "eval=llamacpp", f"eval.seq_len={n_ctx}"))
+    tok = AutoTokenizer.from_pretrained(stories)
+    texts = [json.loads(line)["text"] for line in docs_file.read_text(encoding="utf-8").splitlines()]
+    assert tok("a")["input_ids"][0] == tok.bos_token_id  # this vocabulary adds BOS: llama.cpp's add_bos
+    stream = [tok.bos_token_id] + [t for text in texts for t in tok(text, add_special_tokens=False)["input_ids"]]
+    model = AutoModelForCausalLM.from_pretrained(stories, dtype=torch.float64).eval()
+    n_chunks, first, nll, nll2, count = len(stream) // n_ctx, n_ctx // 2, 0.0, 0.0, 0
+    with torch.no_grad():
+        for i in range(n_chunks):
+            chunk = list(stream[i * n_ctx : (i + 1) * n_ctx])
+            chunk[0] = tok.bos_token_id
+            logp = torch.log_softmax(model(torch.tensor([chunk])).logits[0], dim=-1)
+            for j in range(first, n_ctx - 1):
+                x = -float(logp[j, stream[i * n_ctx + j + 1]])
+                nll, nll2, count = nll + x, nll2 + x * x, count + 1
+    mean = nll / count
+    ppl = math.exp(mean)
+    assert r["tokens"] == count == n_chunks * (n_ctx - 1 - first)
+    assert r["ppl"] == pytest.approx(ppl, rel=1e-6)
+    assert r["ppl_stderr"] == pytest.approx(ppl * math.sqrt((nll2 / count - mean * mean) / (count - 1)), rel=1e-5)
+    assert r["mode"] == "llamacpp" and r["word_ppl"] is None and r["bits_per_byte"] is None

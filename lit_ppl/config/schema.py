@@ -47,6 +47,9 @@ class ModelConfig:
     # No default here (ModelSpec's is builtin): model=hf's `path: ???` must stay required, and a merge keeps an
     # existing value under ???.
     path: str = field(default=MISSING, metadata=meta("builtin, a Hugging Face checkpoint directory or a hub id"))
+    gguf_file: str | None = field(
+        default=None, metadata=meta("the GGUF file in the directory or hub repository model.path (or path=FILE.gguf)")
+    )
     trust_remote_code: bool = field(default=False, metadata=meta("run the checkpoint's own Python code"))
     revision: str | None = field(default=None, metadata=meta("hub revision (branch, tag or commit)"))
     seed: int = field(default=0, metadata=meta("built-in model: initialisation seed"))
@@ -90,7 +93,10 @@ class EvalConfig:
 
     mode: str = field(
         default="rolling",
-        metadata=meta("lm-eval rolling windows, HF strided windows, or disjoint blocks", choices=EVAL_MODES),
+        metadata=meta(
+            "lm-eval rolling windows, HF strided windows, disjoint blocks, or llama-perplexity chunks",
+            choices=EVAL_MODES,
+        ),
     )
     seq_len: int = field(default=512, metadata=meta("most input tokens per window"))
     stride: int | None = field(default=None, metadata=meta("sliding mode's stride"))
@@ -187,7 +193,7 @@ class ValidateConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig, metadata=meta("model=builtin|hf"))
     data: DataConfig = field(default_factory=DataConfig, metadata=meta("data=demo|text|wikitext2"))
-    eval: EvalConfig = field(default_factory=EvalConfig, metadata=meta("eval=rolling|sliding|block"))
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata=meta("eval=rolling|sliding|block|llamacpp"))
     trainer: dict[str, Any] = field(
         default_factory=dict, metadata=meta("Lightning Trainer arguments", check=check_trainer)
     )

@@ -21,7 +21,7 @@ STRATEGY_NAMES = (
     "tp",
     "fsdp_tp",
 )  # lit_ppl.parallel.strategies.STRATEGIES, conf/strategy/
-EVAL_MODES = ("rolling", "sliding", "block")  # lit_ppl.data.windows.MODES
+EVAL_MODES = ("rolling", "sliding", "block", "llamacpp")  # lit_ppl.data.windows.MODES
 DATA_FORMATS = ("auto", "text", "json", "parquet")  # lit_ppl.data.sources.FORMATS
 ENCODING_ERRORS = ("strict", "replace", "ignore")  # lit_ppl.data.sources._ERRORS
 QUANT_SCHEMES = ("none", "int8", "int8dq", "int4")  # lit_ppl.quant.plan.SCHEMES: what one rule applies

@@ -18,7 +18,7 @@ from lit_ppl.data.batch_plan import BatchPlan
 from lit_ppl.data.sampler import PAD, ExactBatchSampler
 from lit_ppl.data.sources import DataSpec
 from lit_ppl.data.store import Corpus, prepare
-from lit_ppl.data.windows import Windows, build_windows, token_offsets
+from lit_ppl.data.windows import Windows, build_windows, joined_to_flat, token_offsets
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.tokenizer import Tokenizer
 from lit_ppl.parallel.layout import Layout
@@ -56,10 +56,19 @@ class WindowCollator:
         inside = col < length[:, None]  # a real input position (a padding entry has none)
         target_pos = start[:, None] + col + 1  # the token each input position predicts
         input_ids = np.full((len(window_ids), width), self.pad_id, dtype=np.int64)
-        input_ids[inside] = tokens[target_pos[inside] - 1]
-        doc = np.searchsorted(offsets, target_pos, side="right") - 1
-        # Scored: from score_from on, and never a document's BOS (context only, not part of any document).
-        keep = inside & (target_pos >= score_from[:, None]) & (target_pos != offsets[doc])
+        if w.joined:  # llamacpp: joined-stream positions, read from the flat store; the stream has no inner BOS
+            lengths = self.corpus.doc_lengths
+            input_ids[inside] = tokens[joined_to_flat(target_pos[inside] - 1, lengths, w.bos_first)]
+            if w.bos_first:  # llama-perplexity's BOS in place of each chunk's first token
+                input_ids[is_real, 0] = tokens[offsets[0]]
+            target_pos = joined_to_flat(np.minimum(target_pos, w.end[safe, None]), lengths, w.bos_first)
+            keep = inside & (col >= (score_from - start - 1)[:, None])
+            doc = np.searchsorted(offsets, target_pos, side="right") - 1
+        else:
+            input_ids[inside] = tokens[target_pos[inside] - 1]
+            doc = np.searchsorted(offsets, target_pos, side="right") - 1
+            # Scored: from score_from on, and never a document's BOS (context only, not part of any document).
+            keep = inside & (target_pos >= score_from[:, None]) & (target_pos != offsets[doc])
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
         token_index = self.first_token[safe][:, None] + np.cumsum(keep, axis=1) - 1  # a row's scored tokens in order
         return {
@@ -100,7 +109,7 @@ class PerplexityDataModule(L.LightningDataModule):
     Args:
         data: where the documents come from.
         tokenizer: the model's tokenizer.
-        mode: ``rolling``, ``sliding`` or ``block`` (see :mod:`lit_ppl.data.windows`).
+        mode: ``rolling``, ``sliding``, ``block`` or ``llamacpp`` (see :mod:`lit_ppl.data.windows`).
         seq_len: most input tokens per window.
         stride: ``sliding`` mode's stride.
         batch_size: windows per batch, or ``"auto"``: the largest that fits (:mod:`lit_ppl.data.autobatch`).
@@ -181,7 +190,13 @@ class PerplexityDataModule(L.LightningDataModule):
                 "does not match the model"
             )
         self.windows = build_windows(
-            self.mode, corpus.doc_lengths, self.seq_len, self.stride, corpus.doc_words, corpus.doc_bytes
+            self.mode,
+            corpus.doc_lengths,
+            self.seq_len,
+            self.stride,
+            corpus.doc_words,
+            corpus.doc_bytes,
+            self.tokenizer.adds_bos,
         )
         self.first_token = token_offsets(self.windows, corpus.doc_lengths)
         self.corpus = corpus
@@ -202,7 +217,9 @@ class PerplexityDataModule(L.LightningDataModule):
             h = hashlib.sha256()
             w = self.windows
             for a in (w.start, w.end, w.score_from, self.corpus.doc_lengths):
-                h.update(memoryview(np.ascontiguousarray(a)))  # no joined copy: 24 bytes per window
+                h.update(memoryview(np.ascontiguousarray(a)))
+            if w.joined:  # llamacpp's coordinates: another plan's even where the numbers coincide
+                h.update(f"joined bos={w.bos_first}".encode())  # no joined copy: 24 bytes per window
             self._windows_digest = h.hexdigest()[:16]
         return self._windows_digest
 

@@ -12,6 +12,13 @@ not a document's BOS. Every document token is scored by exactly one window in ev
   to ``seq_len - 1`` inputs and scores only the targets the previous window did not.
 * ``block`` — the whole stream cut into disjoint blocks of ``seq_len`` inputs; documents share windows,
   each block's first input is context only (it was the previous block's last target).
+
+``llamacpp`` — llama.cpp's ``llama-perplexity`` — is the exception: it scores part of each chunk only. Its windows
+are in *joined* coordinates: the documents' tokens concatenated with no BOS between them, after one leading BOS
+when the tokenizer adds one (``[BOS] + tokenize(file)``, as ``llama-perplexity -f`` reads a file). The stream is cut
+into disjoint chunks of ``n_ctx = seq_len`` tokens, the tail dropped; the collator puts BOS in place of each chunk's
+first token (when the tokenizer adds one) and only the targets at chunk positions ``n_ctx/2 + 1 … n_ctx − 1`` are
+scored (``first = n_ctx/2``), ``n_ctx − 1 − n_ctx/2`` per chunk. :func:`joined_to_flat` maps them back.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import numpy as np
 from lit_ppl.config.values import EVAL_MODES
 from lit_ppl.errors import LitPplError
 
-Mode = Literal["rolling", "sliding", "block"]
+Mode = Literal["rolling", "sliding", "block", "llamacpp"]
 MODES: tuple[str, ...] = EVAL_MODES
 
 
@@ -34,6 +41,9 @@ class Windows:
 
     ``documents``/``words``/``bytes`` count the documents whose *first* token the window scores, so that
     summing them over any partition of the windows counts each document exactly once.
+
+    ``joined``: the bounds are in the joined coordinates of ``llamacpp`` mode (see the module), whose stream begins
+    with a BOS when ``bos_first``; ``bos_first`` also puts BOS in place of every window's first input there.
     """
 
     start: np.ndarray
@@ -42,6 +52,8 @@ class Windows:
     documents: np.ndarray
     words: np.ndarray
     bytes: np.ndarray
+    joined: bool = False
+    bos_first: bool = False
 
     def __len__(self) -> int:
         return len(self.start)
@@ -56,6 +68,35 @@ def doc_offsets(doc_lengths: np.ndarray) -> np.ndarray:
     """Position of each document's BOS in the flat ``[BOS] + doc`` concatenation."""
     sizes = np.asarray(doc_lengths, dtype=np.int64) + 1
     return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+
+
+def joined_to_flat(pos: np.ndarray, doc_lengths: np.ndarray, bos_first: bool) -> np.ndarray:
+    """Flat ``[BOS] + doc`` positions of joined-stream positions ``pos`` (``llamacpp`` mode); the leading BOS
+    (position 0 when ``bos_first``) is the first document's BOS."""
+    k = np.asarray(pos, dtype=np.int64) - int(bos_first)  # index among the documents' tokens only
+    firsts = np.cumsum(doc_lengths) - doc_lengths  # each document's first token's index among them
+    doc = np.searchsorted(firsts, k, side="right") - 1
+    return np.where(k < 0, 0, k + doc + 1)  # each document before k's, and k's own, adds one BOS
+
+
+def _llamacpp(lengths: np.ndarray, n_ctx: int, bos_first: bool) -> Windows:
+    # llama-perplexity: chunk i is stream[i·n_ctx, (i+1)·n_ctx); its logits at positions first … n_ctx − 2
+    # predict the tokens at first + 1 … n_ctx − 1. The last input's prediction is never used, so a window
+    # reads n_ctx − 1 inputs: the same logits (causal attention), one position less.
+    total = int(lengths.sum()) + int(bos_first)
+    if total < 2 * n_ctx:
+        raise LitPplError(
+            f"eval.mode=llamacpp needs at least 2·n_ctx = {2 * n_ctx} tokens for eval.seq_len={n_ctx} (as "
+            f"llama-perplexity does); the corpus has {total}: give more text or a smaller eval.seq_len"
+        )
+    start = np.arange(total // n_ctx, dtype=np.int64) * n_ctx
+    firsts = np.cumsum(lengths) - lengths + int(bos_first)  # each document's first token in the stream
+    owner = firsts // n_ctx  # the chunk holding each document's first token (a tail one's is dropped)
+    kept = owner < len(start)
+    counts = [np.bincount(owner[kept], minlength=len(start)).astype(np.int64)]
+    # Words and bytes are not counted: a chunk scores part of its tokens only, so word/byte perplexity is undefined.
+    counts += [np.zeros(len(start), dtype=np.int64)] * 2
+    return Windows(start, start + n_ctx - 1, start + n_ctx // 2 + 1, *counts, joined=True, bos_first=bos_first)
 
 
 def _groups(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -96,8 +137,11 @@ def build_windows(
     stride: int | None = None,
     doc_words: np.ndarray | None = None,
     doc_bytes: np.ndarray | None = None,
+    bos_first: bool = True,
 ) -> Windows:
     """Cut documents of ``doc_lengths`` tokens into evaluation windows of at most ``seq_len`` inputs.
+
+    ``bos_first`` (``llamacpp`` mode only): whether the tokenizer adds a BOS, as llama.cpp's ``add_bos``.
 
     Examples:
         >>> w = build_windows("rolling", np.array([5]), seq_len=2)
@@ -107,8 +151,9 @@ def build_windows(
     lengths = np.asarray(doc_lengths, dtype=np.int64)
     if mode not in MODES:
         raise LitPplError(f"eval.mode={mode!r} is not one of {', '.join(MODES)}")
-    if seq_len < 1 or (mode == "sliding" and seq_len < 2):
-        raise LitPplError(f"eval.seq_len={seq_len} is too small for mode {mode!r} (need >= {1 + (mode == 'sliding')})")
+    least = {"sliding": 2, "llamacpp": 3}.get(mode, 1)  # llamacpp: at least one scored position per chunk
+    if seq_len < least:
+        raise LitPplError(f"eval.seq_len={seq_len} is too small for mode {mode!r} (need >= {least})")
     if mode == "sliding" and (stride is None or not 1 <= stride <= seq_len - 1):
         raise LitPplError(f"eval.stride={stride} must be in [1, seq_len - 1 = {seq_len - 1}] for sliding mode")
     if len(lengths) == 0 or (lengths < 1).any():
@@ -118,6 +163,8 @@ def build_windows(
     nbytes = np.zeros_like(lengths) if doc_bytes is None else np.asarray(doc_bytes, dtype=np.int64)
     offsets = doc_offsets(lengths)
 
+    if mode == "llamacpp":
+        return _llamacpp(lengths, seq_len, bos_first)
     if mode == "block":
         total = int(offsets[-1] + lengths[-1] + 1)
         start = np.arange(0, total - 1, seq_len, dtype=np.int64)
@@ -153,6 +200,8 @@ def token_offsets(windows: Windows, doc_lengths: np.ndarray) -> np.ndarray:
     if len(low) > 1 and not (low[1:] > high[:-1]).all():
         raise AssertionError("evaluation windows score overlapping or unordered targets: a bug in lit-ppl")
     boundaries = np.searchsorted(bos, high, side="right") - np.searchsorted(bos, low, side="left")
+    if windows.joined:  # llamacpp's stream holds no BOS between documents
+        boundaries = np.zeros_like(boundaries)
     counts = np.maximum(high - low + 1, 0) - np.where(high >= low, boundaries, 0)
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
@@ -164,6 +213,8 @@ def scored_positions(windows: Windows, doc_lengths: np.ndarray) -> tuple[np.ndar
     sizes = np.maximum(windows.end - low + 1, 0)
     starts = np.repeat(low - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
     target = starts + np.arange(int(sizes.sum()), dtype=np.int64)  # every target position the windows read
+    if windows.joined:
+        target = joined_to_flat(target, doc_lengths, windows.bos_first)
     doc = np.searchsorted(bos, target, side="right") - 1
     keep = target != bos[doc]
     return doc[keep], (target - bos[doc] - 1)[keep]

@@ -215,7 +215,13 @@ def reference_spec(reference: str | dict[str, Any], model: ModelSpec) -> tuple[M
     """``(spec, quantize callable, dtype)`` of ``compare.reference``: a path, or ``{path, dtype, quant}``."""
     ref = {"path": reference} if isinstance(reference, str) else dict(reference)
     path = ref.get("path") or model.path
-    spec = dataclasses.replace(model, path=path) if path != model.path else model
+    # gguf_file is the candidate's file, not the reference's (a reference FILE.gguf sets its own from its path).
+    spec = dataclasses.replace(model, path=path, gguf_file=None) if path != model.path else model
+    if spec is model and model.stored_quantization() is not None:  # else: the stored model against itself, KL 0
+        raise LitPplError(
+            f"model.path={model.path!r} is stored quantized ({model.stored_quantization()['name']}): it has no "
+            "unquantized version to compare with; set compare.reference.path=the float checkpoint"
+        )
     dtype = ref.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         raise LitPplError(f"compare.reference.dtype={dtype!r} is not one of {', '.join(DTYPES)}")

@@ -123,6 +123,7 @@ class PerplexityModule(L.LightningModule):
         (it is small and seeded alike on every rank) and split the same way.
         """
         layout = self.layout
+        stored = self._stored_int8(spec, quantize)  # before any weight is read
         if layout is None or not layout.sharded:
             lm = spec.build(dtype, self.device)
             report = quantize(lm) if quantize is not None else None
@@ -133,33 +134,57 @@ class PerplexityModule(L.LightningModule):
         splits = parallelize(lm, tp) if tp is not None else {}
         scorer = TokenScorer(lm, self.chunk_size, tp)
         dp_mesh = fsdp_mesh(self.mesh, layout)
-        if quantize is None and dp_mesh is not None:
+        if quantize is None and not stored and dp_mesh is not None:
             fully_shard_blocks(scorer, dp_mesh, set())
+        scales: dict[str, Any] = {}
         if not spec.is_builtin:
             materialize(scorer, self.device)
-            self._load(spec, lm, dtype, expected, splits, tp)
+            scales = self._load(spec, lm, dtype, expected, splits, tp)
         report = quantize(lm, tp=layout.tp) if quantize is not None else None
-        if quantize is not None and dp_mesh is not None:
+        if stored:  # the checkpoint's own INT8 codes, re-created on each rank's slice (lit_ppl.quant.stored)
+            from lit_ppl.quant.stored import restore_int8
+
+            report = restore_int8(lm, spec.path, scales, splits, tp, spec.stored_quantization())
+        if report is not None and dp_mesh is not None:
             # FSDP2 cannot hold torchao's tensors: their rows are sharded by hand, the rest by fully_shard.
             shard_quantized_rows(lm, report.quantized_params, self.mesh["dp_shard"].get_group())
             quantized = {p for p in lm.parameters() if hasattr(p, "__tensor_flatten__")}
             fully_shard_blocks(scorer, dp_mesh, quantized)
         return self._finish(scorer), report
 
+    @staticmethod
+    def _stored_int8(spec: ModelSpec, quantize: Any) -> bool:
+        """Whether the checkpoint holds torchao INT8 weights to split and shard as stored (not for on-the-fly
+        quantization on top of them, refused in one line)."""
+        stored = spec.stored_quantization()
+        if stored is None or stored.get("format") != "torchao":
+            return False
+        if quantize is not None:
+            raise LitPplError(
+                f"model.path={spec.path!r} is already quantized ({stored['name']}); evaluate it as stored with "
+                "quant=none, or quantize its float checkpoint"
+            )
+        return True
+
     def _load(
         self, spec: ModelSpec, lm: nn.Module, dtype: torch.dtype, expected: set[str], splits: Any, tp: Any
-    ) -> None:
+    ) -> dict[str, Any]:
         """Rank 0 reads the checkpoint as ``from_pretrained`` does, checks that its tensors are exactly the model's
-        and broadcasts them; :func:`lit_ppl.parallel.sharding.unloaded` proves no parameter was left NaN."""
+        and broadcasts them; :func:`lit_ppl.parallel.sharding.unloaded` proves no parameter was left NaN. Returns
+        the stored INT8 weights' scales (:func:`lit_ppl.quant.stored.unpack_int8`; empty for float weights)."""
         full: dict[str, torch.Tensor] = {}
-        problem = None
+        problem, scales = None, {}
         if self.global_rank == 0:
             try:
                 full = spec.full_state_dict(dtype)
                 problem = key_problem(spec.path, expected - set(full), set(full) - expected)
+                if self._stored_int8(spec, None):
+                    from lit_ppl.quant.stored import unpack_int8
+
+                    scales = unpack_int8(spec.path, full)
             except LitPplError as err:  # told to every rank below, so that none waits for a broadcast
                 problem = str(err)
-        problem = self.trainer.strategy.broadcast(problem)
+        problem, scales = self.trainer.strategy.broadcast((problem, scales))
         if problem:
             raise LitPplError(problem)
         load_from_rank0(lm, full, splits, tp)
@@ -170,6 +195,7 @@ class PerplexityModule(L.LightningModule):
                 f"({', '.join(missing[:5])}): the checkpoint holds NaN there, or no tensor reached them (a bug in "
                 "lit-ppl: please report it)"
             )
+        return scales
 
     def _finish(self, scorer: TokenScorer) -> TokenScorer:
         if self.compile_decoder:
@@ -196,11 +222,19 @@ class PerplexityModule(L.LightningModule):
 
     def holds_quantized_weights(self) -> bool:
         """Whether any model of the run gets torchao's weights (which cannot be indexed under inference_mode)."""
-        return self.quantize is not None
+        stored = self.spec.stored_quantization()
+        return self.quantize is not None or (stored is not None and stored.get("format") == "torchao")
 
     def result_fields(self) -> dict[str, Any]:
         """What this module contributes to ``results.json`` beside the metric's statistics: its quantization."""
-        return {"quant": self.quant_report.to_dict() if self.quant_report is not None else None, **self.output_files}
+        stored = self.spec.stored_quantization()  # what the checkpoint itself holds (a GGUF's GGML types, ...)
+        if self.quant_report is None:
+            quant = stored
+        elif self.quant_report.source == "checkpoint":  # restored on split layouts: the ranks' agreement with it
+            quant = {**stored, "consistency": self.quant_report.consistency}
+        else:
+            quant = self.quant_report.to_dict() | ({"checkpoint": stored} if stored else {})
+        return {"quant": quant, **self.output_files}
 
     def metrics(self) -> dict[str, Metric]:
         """Every torchmetrics state of the module: what syncs across ranks and what a resume restores."""

@@ -38,7 +38,9 @@ class ModelSpec:
 
     Attributes:
         path: ``builtin`` (no files: byte tokenizer and a seeded random Llama), a local Hugging Face
-            checkpoint directory, or a hub id (needs the hub or its cache).
+            checkpoint directory, a GGUF file (``FILE.gguf``), or a hub id (needs the hub or its cache).
+        gguf_file: the GGUF file in the directory or hub repository ``path`` (set from ``path`` when that is a
+            ``.gguf`` file); read by transformers' GGUF loader, every tensor dequantized as llama.cpp defines it.
         trust_remote_code: run the checkpoint's own Python code; off unless you trust its source.
         revision: hub revision (branch, tag or commit) for hub ids.
         seed: initialisation seed of the built-in model.
@@ -49,6 +51,7 @@ class ModelSpec:
     """
 
     path: str = BUILTIN
+    gguf_file: str | None = None
     trust_remote_code: bool = False
     revision: str | None = None
     seed: int = 0
@@ -60,35 +63,52 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.is_builtin:
             return
+        local = Path(self.path).expanduser()
+        if self.gguf_file is None and self.path.endswith(".gguf") and local.is_file():
+            self.gguf_file = local.name  # transformers reads a GGUF as a file of its directory (self.location)
+        if self.gguf_file is not None and local.is_dir() and not (local / self.gguf_file).is_file():
+            ggufs = sorted(p.name for p in local.glob("*.gguf"))
+            raise LitPplError(
+                f"model.gguf_file={self.gguf_file!r} is not a file in {self.path!r}; "
+                f"{'its GGUF files: ' + ', '.join(ggufs[:5]) if ggufs else 'the directory holds no .gguf file'}"
+            )
         # Hub ids are "name" or "org/name"; anything else is meant as a local directory.
         looks_local = self.path.startswith(("/", ".", "~")) or self.path.count("/") > 1
-        local = Path(self.path).expanduser()
         if looks_local and not local.exists():
             raise FileNotFoundError(
                 f"model.path={self.path!r} does not exist; give a Hugging Face checkpoint directory, a hub id "
                 f"(org/name) or '{BUILTIN}'"
             )
-        if local.is_dir() and not (local / "config.json").is_file():
+        if local.is_dir() and self.gguf_file is None and not (local / "config.json").is_file():
             raise LitPplError(
                 f"model.path={self.path!r} is a directory without config.json, so not a Hugging Face causal LM "
-                "checkpoint (expected config.json plus *.safetensors weights)"
+                "checkpoint (expected config.json plus *.safetensors weights, or give a GGUF file: "
+                "model.path=FILE.gguf or model.gguf_file=NAME)"
             )
 
     @property
     def is_builtin(self) -> bool:
         return self.path == BUILTIN
 
+    @property
+    def location(self) -> str:
+        """What ``from_pretrained`` reads: ``path``, or the directory of ``path`` when that is the GGUF file."""
+        local = Path(self.path).expanduser()
+        return str(local.parent) if self.gguf_file is not None and local.is_file() else self.path
+
     def _from_pretrained(self, auto_class: type, problem: str, **kwargs: Any) -> Any:
         """``auto_class.from_pretrained(path)``, its failure reported as one line naming ``model.path``."""
+        if self.gguf_file is not None:
+            kwargs["gguf_file"] = self.gguf_file
         try:
             return auto_class.from_pretrained(
-                str(Path(self.path).expanduser()),
+                str(Path(self.location).expanduser()),
                 trust_remote_code=self.trust_remote_code,
                 revision=self.revision,
                 **kwargs,
             )
         except (OSError, ValueError, KeyError) as err:
-            if not Path(self.path).expanduser().is_dir() and hub_unreachable(err):
+            if not Path(self.location).expanduser().is_dir() and hub_unreachable(err):
                 raise LitPplError(
                     f"model.path={self.path!r} is not a local directory, not in the Hugging Face cache, and the hub "
                     f"cannot be reached; run `python -m lit_ppl.fetch model.path={self.path}` where the hub is "
@@ -98,10 +118,12 @@ class ModelSpec:
 
     def download(self) -> str | None:
         """Fetch a hub id's files into the Hugging Face cache (``None`` for the built-in model or a directory)."""
-        if self.is_builtin or Path(self.path).expanduser().is_dir():
+        if self.is_builtin or Path(self.location).expanduser().is_dir():
             return None
-        from huggingface_hub import HfApi, snapshot_download
+        from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 
+        if self.gguf_file is not None:  # the one file: config, tokenizer and weights are all in it
+            return str(Path(hf_hub_download(self.path, self.gguf_file, revision=self.revision)).parent)
         names = HfApi().list_repo_files(self.path, revision=self.revision)
         # The weights once, in the format from_pretrained prefers; not the original/ consolidated copies.
         ignore = ["original/*", "*.pth", "*.msgpack", "*.h5", "*.ot", "*.onnx", "*.gguf", "*.tflite"]
@@ -115,7 +137,7 @@ class ModelSpec:
         hub id not in the cache."""
         if self.is_builtin:
             return []
-        root = Path(self.path).expanduser()
+        root = Path(self.location).expanduser()
         if not root.is_dir():
             try:
                 from huggingface_hub import snapshot_download
@@ -124,7 +146,8 @@ class ModelSpec:
             except Exception:  # not cached: from_pretrained will say so
                 return []
         out = []
-        for f in sorted(root.rglob("*")):
+        found = [root / self.gguf_file] if self.gguf_file is not None else sorted(root.rglob("*"))
+        for f in found:
             if f.is_file() and not any(part.startswith(".") for part in f.relative_to(root).parts):
                 st = f.stat()  # through a hub snapshot's symlinks: the blob's own times
                 out.append((str(f.relative_to(root)), st.st_size, st.st_mtime_ns, st.st_ctime_ns))
@@ -140,6 +163,8 @@ class ModelSpec:
 
         files = self.files()
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "path"}
+        if fields["gguf_file"] is None:  # the digests of checkpoints before GGUF files were read stay the same
+            del fields["gguf_file"]
 
         def digest(entries: list) -> str:
             blob = json.dumps({"fields": fields, "files": entries}, sort_keys=True).encode()
@@ -152,6 +177,23 @@ class ModelSpec:
             "bytes": sum(f[1] for f in files),
         }
 
+    def stored_quantization(self) -> dict[str, Any] | None:
+        """The checkpoint's own quantization (``source: checkpoint``; :mod:`lit_ppl.model.stored`), ``None`` for
+        float weights."""
+        if self.is_builtin:
+            return None
+        if "stored" not in self.__dict__:  # read once: the table, results.json and the layout all ask
+            from lit_ppl.model.stored import gguf_description, hf_description
+
+            root = Path(self.location).expanduser()
+            if self.gguf_file is not None:
+                self.__dict__["stored"] = gguf_description(root / self.gguf_file)
+            else:
+                qc = getattr(self.config(), "quantization_config", None)
+                qc = qc.to_dict() if hasattr(qc, "to_dict") else qc
+                self.__dict__["stored"] = hf_description(self.path, root, qc) if qc else None
+        return self.__dict__["stored"]
+
     def limits(self) -> tuple[int, int | None]:
         """``(vocab_size, max_positions)`` from the model's config, without loading its weights."""
         if self.is_builtin:
@@ -159,6 +201,7 @@ class ModelSpec:
         from transformers import AutoConfig
 
         cfg = self._from_pretrained(AutoConfig, "has no config transformers can read")
+        self.stored_quantization()  # a quantized format this installation cannot run: one line now
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         if cfg.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not self.trust_remote_code:

@@ -17,6 +17,12 @@ class Tokenizer(Protocol):
         ...
 
     @property
+    def adds_bos(self) -> bool:
+        """Whether the tokenizer puts a BOS in front of a text it encodes with special tokens (llama.cpp's
+        ``add_bos``: ``eval.mode=llamacpp`` puts BOS in place of each chunk's first token only then)."""
+        ...
+
+    @property
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included (the token store's dtype follows it)."""
         ...
@@ -41,6 +47,8 @@ class ByteTokenizer:
     @property
     def context_id(self) -> int:
         return self.bos_id
+
+    adds_bos = True
 
     @property
     def fingerprint(self) -> str:
@@ -72,6 +80,15 @@ class HFTokenizer:
     @property
     def context_id(self) -> int:
         return self._context_id
+
+    @property
+    def adds_bos(self) -> bool:
+        bos = self.tok.bos_token_id
+        if bos is None:
+            return False
+        # What encoding with special tokens does, not a flag: tokenizers set it in different places.
+        with_special = self.tok("a", add_special_tokens=True)["input_ids"]
+        return len(with_special) > len(self.tok("a", add_special_tokens=False)["input_ids"]) and with_special[0] == bos
 
     @property
     def vocab_size(self) -> int:

@@ -36,9 +36,10 @@ def build_results(
         "nll_stderr": stats["nll_stderr"],
         "ppl_stderr": stats["ppl_stderr"],
         "ppl_ci95": [stats["ppl_ci95_low"], stats["ppl_ci95_high"]],
-        "word_ppl": stats["word_ppl"],
-        "byte_ppl": stats["byte_ppl"],
-        "bits_per_byte": stats["bits_per_byte"],
+        # None where no words or bytes were counted (eval.mode=llamacpp scores only part of its chunks' text).
+        "word_ppl": stats["word_ppl"] if stats["words"] else None,
+        "byte_ppl": stats["byte_ppl"] if stats["bytes"] else None,
+        "bits_per_byte": stats["bits_per_byte"] if stats["bytes"] else None,
         "nll_sum": stats["nll_sum"],
         "tokens": stats["tokens"],
         "words": stats["words"],

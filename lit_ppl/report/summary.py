@@ -13,6 +13,11 @@ def per_rank(values: list[float]) -> str:
     return f"max {values[hi]:,.0f} (rank {hi}) · min {values[lo]:,.0f} (rank {lo})"
 
 
+def _number(value: float | None, digits: int) -> str:
+    """``value`` to ``digits`` decimals, or ``n/a`` where the mode does not define it."""
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def print_results_table(results: dict[str, Any]) -> None:
     """Print the headline numbers as a Rich table."""
     from rich.console import Console
@@ -26,9 +31,9 @@ def print_results_table(results: dict[str, Any]) -> None:
         ("token perplexity", f"{results['ppl']:.6f}"),
         ("95% interval", f"[{lo:.4f}, {hi:.4f}]"),
         ("mean NLL (nats)", f"{results['nll_mean']:.6f} ± {results['nll_stderr']:.6f}"),
-        ("word perplexity", f"{results['word_ppl']:.4f}"),
-        ("byte perplexity", f"{results['byte_ppl']:.6f}"),
-        ("bits per byte", f"{results['bits_per_byte']:.6f}"),
+        ("word perplexity", _number(results["word_ppl"], 4)),
+        ("byte perplexity", _number(results["byte_ppl"], 6)),
+        ("bits per byte", _number(results["bits_per_byte"], 6)),
         ("tokens / words / bytes", f"{results['tokens']:,} / {results['words']:,} / {results['bytes']:,}"),
         ("documents", f"{results['documents']:,}"),
         (
@@ -49,7 +54,13 @@ def print_results_table(results: dict[str, Any]) -> None:
         if results.get(key):
             rows.append((name, per_rank(results[key])))
     quant = results.get("quant")
-    if quant:
+    if quant and quant.get("source") == "checkpoint":  # quantized by another tool, evaluated as stored
+        held = quant.get("ggml_types")  # a GGUF's tensors of each GGML type, else the quantized modules
+        bits = f" · {quant['bits']:.2f} bits" if quant.get("bits") else ""
+        count = f"{quant.get('quantized_modules', 0)} modules"
+        types = " ".join(f"{k}×{v}" for k, v in sorted(held.items(), key=lambda kv: -kv[1])) if held else count
+        rows.append(("quant (checkpoint)", f"{quant['name']}{bits} · {types}"))
+    elif quant:
         rows.append(
             (
                 f"quant={quant['name']}",
