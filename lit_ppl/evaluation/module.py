@@ -30,6 +30,7 @@ from lit_ppl.parallel.sharding import (
     weight_bytes,
 )
 from lit_ppl.parallel.tensor_parallel import parallelize
+from lit_ppl.quant.stored import restore_int8, stored_int8, unpack_int8
 from lit_ppl.runtime.memory import keep_freed_memory_in_heap, rank_memory, rank_peak_memory
 
 # Weights are loaded directly in the dtype a "*-true" precision computes in (a 70B checkpoint must not
@@ -123,7 +124,7 @@ class PerplexityModule(L.LightningModule):
         (it is small and seeded alike on every rank) and split the same way.
         """
         layout = self.layout
-        stored = self._stored_int8(spec, quantize)  # before any weight is read
+        stored = stored_int8(spec, quantize)  # before any weight is read
         if layout is None or not layout.sharded:
             lm = spec.build(dtype, self.device)
             report = quantize(lm) if quantize is not None else None
@@ -142,8 +143,6 @@ class PerplexityModule(L.LightningModule):
             scales = self._load(spec, lm, dtype, expected, splits, tp)
         report = quantize(lm, tp=layout.tp) if quantize is not None else None
         if stored:  # the checkpoint's own INT8 codes, re-created on each rank's slice (lit_ppl.quant.stored)
-            from lit_ppl.quant.stored import restore_int8
-
             report = restore_int8(lm, spec.path, scales, splits, tp, spec.stored_quantization())
         if report is not None and dp_mesh is not None:
             # FSDP2 cannot hold torchao's tensors: their rows are sharded by hand, the rest by fully_shard.
@@ -151,20 +150,6 @@ class PerplexityModule(L.LightningModule):
             quantized = {p for p in lm.parameters() if hasattr(p, "__tensor_flatten__")}
             fully_shard_blocks(scorer, dp_mesh, quantized)
         return self._finish(scorer), report
-
-    @staticmethod
-    def _stored_int8(spec: ModelSpec, quantize: Any) -> bool:
-        """Whether the checkpoint holds torchao INT8 weights to split and shard as stored (not for on-the-fly
-        quantization on top of them, refused in one line)."""
-        stored = spec.stored_quantization()
-        if stored is None or stored.get("format") != "torchao":
-            return False
-        if quantize is not None:
-            raise LitPplError(
-                f"model.path={spec.path!r} is already quantized ({stored['name']}); evaluate it as stored with "
-                "quant=none, or quantize its float checkpoint"
-            )
-        return True
 
     def _load(
         self, spec: ModelSpec, lm: nn.Module, dtype: torch.dtype, expected: set[str], splits: Any, tp: Any
@@ -178,9 +163,7 @@ class PerplexityModule(L.LightningModule):
             try:
                 full = spec.full_state_dict(dtype)
                 problem = key_problem(spec.path, expected - set(full), set(full) - expected)
-                if self._stored_int8(spec, None):
-                    from lit_ppl.quant.stored import unpack_int8
-
+                if stored_int8(spec, None):
                     scales = unpack_int8(spec.path, full)
             except LitPplError as err:  # told to every rank below, so that none waits for a broadcast
                 problem = str(err)

@@ -76,3 +76,17 @@ def restore_int8(
     report.quantized_params = sorted(scales)
     report.consistency = check_consistency(lm, report.quantized_params, getattr(tp, "size", 1))
     return report
+
+
+def stored_int8(spec: Any, quantize: Any) -> bool:
+    """Whether the checkpoint of ``spec`` (a :class:`lit_ppl.model.spec.ModelSpec`) holds torchao INT8 weights to
+    split and shard as stored; on-the-fly quantization (``quantize``) on top of them is refused in one line."""
+    stored = spec.stored_quantization()
+    if stored is None or stored.get("format") != "torchao":
+        return False
+    if quantize is not None:
+        raise LitPplError(
+            f"model.path={spec.path!r} is already quantized ({stored['name']}); evaluate it as stored with "
+            "quant=none, or quantize its float checkpoint"
+        )
+    return True
