@@ -105,6 +105,10 @@ class QuantConfig:
         default="rtn", metadata=meta("round-to-nearest, or calibrated (awq, gptq: CUDA)", choices=QUANT_METHODS)
     )
     group_size: int | None = field(default=None, metadata=meta("int4 group size", choices=GROUP_SIZES))
+    group_fallback: bool = field(
+        default=True,
+        metadata=meta("int4: a layer the group size does not divide takes the largest one below that does"),
+    )
     backend: str = field(default="auto", metadata=meta("int4 kernel", choices=INT4_BACKENDS))
     head: bool = field(default=False, metadata=meta("also quantize the output head"))
     source: str = field(

@@ -68,6 +68,12 @@ class QuantReport:
         """Modules a rule asked to quantize that could not be, with the reason."""
         return {n: m["reason"] for n, m in self.modules.items() if m.get("requested") and m["config"] is None}
 
+    @property
+    def adapted(self) -> dict[str, dict[str, Any]]:
+        """int4 layers that took a smaller group size than requested (``quant.group_fallback``), with both."""
+        adapted = {n: m for n, m in self.modules.items() if "adapted" in m}
+        return {n: {"requested": m["requested"], "config": m["config"]} for n, m in adapted.items()}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -79,6 +85,7 @@ class QuantReport:
             "full_precision_bytes": self.full_precision_bytes,
             "full_precision_fraction": self.full_precision_fraction,
             "skipped": self.skipped,
+            "adapted": self.adapted,
             "converted": self.converted,
             "modules": self.modules,
             "consistency": self.consistency,
@@ -96,7 +103,7 @@ def quantize_model(lm: nn.Module, cfg: dict[str, Any], calibration: Any = None, 
     report = QuantReport(name=cfg["name"], source=cfg["source"])
     report.weight_bytes_before = sum(tensor_bytes(p) for _, p in lm.named_parameters())
     report.converted = to_plain_linear(lm)
-    todo, report.modules, targets = plan(lm, rules_from_cfg(cfg), cfg["backend"])
+    todo, report.modules, targets = plan(lm, rules_from_cfg(cfg), cfg["backend"], cfg["group_fallback"])
     _check_planned(lm, report, todo, targets)
     before = {n: tensor_bytes(t.weight(lm)) for n, t in targets.items()}
     twins = {n: e["tied_to"] for n, e in report.modules.items() if "tied_to" in e}
@@ -128,7 +135,8 @@ def _check_planned(lm: nn.Module, report: QuantReport, todo: dict[str, Any], tar
         first = next(iter(report.skipped.values()))
         raise LitPplError(
             f"quant={report.name} would quantize none of the {len(report.skipped)} layers it names ({first}); "
-            f"choose quant.group_size among {GROUP_SIZES} that divides the layers' in_features"
+            f"choose quant.group_size among {GROUP_SIZES} that divides the layers' in_features, or "
+            "quant.group_fallback=true"
         )
     raise LitPplError(
         f"quant={report.name} quantizes none of {type(lm).__name__}'s {len(targets)} linear, embedding and "
@@ -216,16 +224,45 @@ def _finish_report(lm: nn.Module, report: QuantReport, tp: int) -> None:
     report.quantized_params = [n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) in quantized]
     report.full_precision_bytes = sum(tensor_bytes(p) for p in lm.parameters() if id(p) not in quantized)
     report.consistency = check_consistency(lm, [n for n, p in lm.named_parameters() if id(p) in quantized], tp)
-    skipped = report.skipped
-    if skipped:
-        log.warning(
-            "quantization skipped %d modules: %s", len(skipped), "; ".join(f"{n}: {r}" for n, r in skipped.items())
-        )
+    for line in summary_lines(report):
+        log.warning("%s", line)
     log.info(
         "quantized %d weights; %.1f%% of the weight bytes stay in full precision",
         report.quantized_modules,
         100 * report.full_precision_fraction,
     )
+
+
+def summary_lines(report: QuantReport) -> list[str]:
+    """One short line each for the adapted and the skipped layers: counts, the reasons, the fix; the full lists are
+    in ``results.json`` (``quant.adapted``, ``quant.skipped``, per module ``quant.modules``)."""
+    asked = sum(bool(m["config"] or m.get("requested")) for m in report.modules.values())
+    lines = []
+    for key, names in (("adapted", report.adapted), ("skipped", report.skipped)):
+        if not names:
+            continue
+        entries = [report.modules[n] for n in names]
+        reasons: dict[str, int] = {}
+        for m in entries:
+            why = m["adapted"] if key == "adapted" else m["reason"]
+            reasons[why] = reasons.get(why, 0) + 1
+        shown = "; ".join(f"{why} ({k})" if len(reasons) > 1 else why for why, k in list(reasons.items())[:3])
+        shown += "; ..." if len(reasons) > 3 else ""
+        widths = {m["in_features"] for m in entries if "in_features" in m}
+        fits = [g for g in GROUP_SIZES if widths and all(w % g == 0 for w in widths)]
+        if key == "adapted":
+            used = sorted({m["config"] for m in entries})
+            fix = f"they use {', '.join(used)}" + (f"; quant.group_size={max(fits)} divides all" if fits else "")
+            what = f"{len(names)} of {asked} layers took a smaller int4 group"
+        elif all(m["reason"].startswith("in_features") for m in entries):
+            none = f"no int4 group size in {GROUP_SIZES} divides in_features {', '.join(map(str, sorted(widths)))}"
+            fix = f"quant.group_size={max(fits)} divides all" if fits else f"{none}: a policy rule can give them int8"
+        else:
+            fix = "a quant=policy rule can give them another config (e.g. int8)"
+        if key == "skipped":
+            what = f"{len(names)} of {asked} layers stay in full precision"
+        lines.append(f"quantization: {what}: {shown}; {fix} (list: results.json quant.{key})")
+    return lines
 
 
 def build(

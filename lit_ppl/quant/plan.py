@@ -124,9 +124,12 @@ def method_problem(rule: Rule, kernel: str | None, target: Target, tied: bool, d
 
 
 def plan(
-    lm: nn.Module, rules: list[Rule], backend: str = "auto"
+    lm: nn.Module, rules: list[Rule], backend: str = "auto", fallback: bool = True
 ) -> tuple[dict[str, tuple[Scheme, str | None, str]], dict[str, dict[str, Any]], dict[str, Target]]:
-    """Decide each target's scheme: ``({name: (scheme, int4 backend, method)}, {name: report entry}, targets)``."""
+    """Decide each target's scheme: ``({name: (scheme, int4 backend, method)}, {name: report entry}, targets)``.
+
+    ``fallback``: an int4 layer whose input features the group size does not divide takes the largest group size
+    below it that does (:func:`fit_group`), recorded in its entry; otherwise it stays in full precision, listed."""
     targets = find_targets(lm)
     decided: dict[str, tuple[Scheme, Rule | None]] = {}
     for name, target in targets.items():
@@ -176,9 +179,15 @@ def plan(
         refused = method_problem(rule, kernel, target, name in tied or name in tied.values(), weight.device)
         if refused:
             raise LitPplError(f"{name}: {refused}")
+        fitted = fit_group(scheme, weight, module) if fallback else scheme
+        if fitted != scheme:
+            entry["requested"], entry["in_features"] = scheme.label, weight.shape[-1]
+            entry["adapted"] = f"in_features {weight.shape[-1]} is not a multiple of group_size {scheme.group_size}"
+        scheme = fitted
         problem = shape_problem(scheme, kernel, weight)
         if problem:
-            entry["requested"], entry["reason"] = scheme.label, problem
+            entry["requested"], entry["reason"] = entry.get("requested", scheme.label), problem
+            entry["in_features"] = weight.shape[-1]
         else:
             entry["config"], entry["method"] = scheme.label, rule.method
             if name not in tied:  # the tied twin is quantized through its first name
@@ -212,6 +221,18 @@ def split_problem(scheme: Scheme, module: nn.Module | None) -> str | None:
             "parallel.tp"
         )
     return None
+
+
+def fit_group(scheme: Scheme, weight: torch.Tensor, module: nn.Module | None) -> Scheme:
+    """``scheme`` with the largest group size ≤ the requested one that divides the layer's input features (the whole
+    row's under tensor parallelism, so that tp=1 chooses the same), or ``scheme`` itself if it fits or none does."""
+    if scheme.kind != "int4" or weight.ndim != 2:
+        return scheme
+    width = getattr(module, "full_in_features", None) or weight.shape[-1]
+    if width % scheme.group_size == 0:
+        return scheme
+    fits = [g for g in GROUP_SIZES if g < scheme.group_size and width % g == 0 and weight.shape[-1] % g == 0]
+    return Scheme("int4", max(fits)) if fits else scheme
 
 
 def int4_backend(requested: str, device: torch.device, dtype: torch.dtype, embedding: bool) -> str:
