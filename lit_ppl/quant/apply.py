@@ -4,9 +4,10 @@ The plan (:mod:`lit_ppl.quant.plan`) decides, for every quantizable weight of th
 ``nn.Embedding`` and fused expert weights: :mod:`lit_ppl.quant.targets`), which scheme it gets (``none``,
 ``int8``, ``int8dq``, ``int4`` with a group size) or why it gets none; :func:`quantize_model` applies it with
 ``quantize_`` (a ``filter_fn`` per scheme for modules, an ``FqnToConfig`` for expert parameters), and the
-:class:`QuantReport` records all of it. Nothing is skipped silently: a layer a scheme cannot take (``in_features``
-not divisible by the group size) is listed with the reason. The ranks' quantized weights are compared by hash
-(:mod:`lit_ppl.quant.consistency`).
+:class:`QuantReport` records all of it. Nothing is skipped silently: an int4 layer given a smaller group size
+than requested is listed under ``adapted``, a layer a scheme cannot take under ``skipped`` with the reason, and
+the log says each in one line with counts and the fix (:func:`summary_lines`). The ranks' quantized weights are
+compared by hash (:mod:`lit_ppl.quant.consistency`).
 
 Tied weights (``tie_word_embeddings``: the output head and the input embeddings are one tensor) are quantized
 once, for both, so the tie holds; when the rules give the two different schemes the plan refuses.

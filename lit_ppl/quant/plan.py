@@ -1,10 +1,11 @@
 """The quantization plan: which scheme each quantizable weight gets, or why it gets none, and torchao's configs.
 
 A :class:`Rule` (from a ``quant`` config: :func:`rules_from_cfg`) gives the modules it matches a :class:`Scheme`
-(``none``, ``int8``, ``int8dq``, ``int4`` with a group size) and a method (``rtn``, ``awq``, ``gptq``). :func:`plan`
-decides every target of :mod:`lit_ppl.quant.targets` (``nn.Linear``, ``nn.Embedding``, fused expert weights):
-the first matching rule wins, a layer a scheme cannot take (``in_features`` not divisible by the group size) is
-listed with the reason, and what cannot run at all (a method torchao lacks here, a tensor-parallel slice that
+(``none``, ``int8``, ``int8dq``, ``int4`` with a group size) and a method (``rtn``, ``hqq``, ``awq``, ``gptq``).
+:func:`plan` decides every target of :mod:`lit_ppl.quant.targets` (``nn.Linear``, ``nn.Embedding``, fused expert
+weights): the first matching rule wins, an int4 layer whose ``in_features`` the group size does not divide takes
+the largest group size below it that does (:func:`fit_group`), a layer a scheme cannot take at all is listed with
+the reason, and what cannot run at all (a method torchao lacks here, a tensor-parallel slice that
 would quantize differently, tied weights given two schemes) is refused. :func:`torchao_config` and
 :func:`gptq_base_config` are the torchao configs that :func:`lit_ppl.quant.apply.quantize_model` applies.
 """
