@@ -434,9 +434,9 @@ def test_one_two_and_three_ranks_calibrate_to_identical_weights(tmp_path):
                 consistency = r[source]["consistency"]
                 assert consistency["checked"] and consistency["world_size"] == world
                 assert consistency["digest"] == single.consistency["digest"], (world, source)
-            for label, want in int4.items():
+            for label, one in int4.items():
                 assert r[label]["calibration"]["world_size"] == world and r[label]["consistency"]["checked"]
-                assert r[label]["consistency"]["digest"] == want["digest"], (world, label)
+                assert r[label]["consistency"]["digest"] == one["digest"], (world, label)
         assert ranks[0]["local"]["calibration"]["world_size"] == world
         assert ranks[0]["rank0"]["calibration"]["world_size"] == 1  # rank 0 calibrated on the whole set
         assert ranks[1]["rank0"]["calibration"] is None  # and the others received its weights
