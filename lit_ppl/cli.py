@@ -138,12 +138,15 @@ def _overlay(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
 def _quant(given: dict[str, Any]) -> dict[str, Any]:
     """The ``quant`` group: its file (the calibrated method's, else the name's) with the given values over it."""
     given = dict(given)
-    calibration = {k: v for k, v in (given.pop("calibration") or {}).items() if v is not None}
+    nested = {
+        key: {k: v for k, v in (given.pop(key) or {}).items() if v is not None} for key in ("calibration", "gptq")
+    }
     method = given.get("method")
     base = _load("quant", method if method in ("awq", "gptq") else given["name"] or "none")
     cfg = _overlay(base, given)
-    if calibration or "calibration" in base:
-        cfg["calibration"] = {**(base.get("calibration") or {}), **calibration}
+    for key, values in nested.items():  # the nodes' given keys over the file's
+        if values or key in base:
+            cfg[key] = {**(base.get(key) or {}), **values}
     return cfg
 
 

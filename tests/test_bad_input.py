@@ -147,7 +147,7 @@ CASES = [
     ),
     (
         "group size fits no layer",
-        lambda t: [f"model.path={STORIES}", "quant=int4", "quant.group_size=256"],
+        lambda t: [f"model.path={STORIES}", "quant=int4", "quant.group_size=256", "quant.group_fallback=false"],
         ValueError,
         "would quantize none of the 35 layers",
     ),

@@ -215,3 +215,44 @@ def test_quantized_eval_and_compare_agree_across_world_sizes(compose, tmp_path):
         for key in ("kld_mean", "kld_p99", "kld_p50", "kld_min", "p_diff_p90", "same_top", "ppl_base"):
             assert r["compare"][key] == pytest.approx(single["compare"][key], rel=1e-6, abs=1e-12), (strategy, key)
         assert r["compare"]["tokens"] == single["compare"]["tokens"] == single["tokens"]
+
+
+def widths_lm() -> torch.nn.Module:
+    """A tiny Llama from its config with the widths real models have: hidden 96 (= 3·32), intermediate 192."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_a_layer_the_group_does_not_divide_takes_the_largest_group_that_does(caplog):
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    model = widths_lm()
+    with caplog.at_level("WARNING", logger="lit_ppl.quant.apply"):
+        report = quantize.build({"name": "int4", "group_size": 128})(model)
+    q = report.to_dict()
+    down = {f"model.layers.{i}.mlp.down_proj" for i in range(2)}
+    assert set(q["adapted"]) == {n for n, m in q["modules"].items() if m["config"]} and not q["skipped"]
+    assert all(q["adapted"][n] == {"requested": "int4-g128", "config": "int4-g64"} for n in down)
+    assert all(a["config"] == "int4-g32" for n, a in q["adapted"].items() if n not in down)  # 96 = 3·32
+    for name, a in q["adapted"].items():
+        w = model.get_submodule(name).weight
+        assert isinstance(w, IntxUnpackedToInt8Tensor) and w.block_size == (1, int(a["config"].split("g")[-1]))
+    (line,) = [r.getMessage() for r in caplog.records]  # one short line: counts, reasons, the fix
+    assert line.startswith("quantization: 14 of 14 layers took a smaller int4 group: in_features 96 is not a multiple")
+    assert "quant.group_size=32 divides all" in line and len(line) < 300
+    with pytest.raises(ValueError, match=r"would quantize none of the 14 layers .* or quant\.group_fallback=true"):
+        quantize.build({"name": "int4", "group_size": 128, "group_fallback": False})(widths_lm())
+
+
+def test_the_skip_warning_is_one_line_with_counts_and_the_fix(caplog):
+    with caplog.at_level("WARNING", logger="lit_ppl.quant.apply"):
+        quantize.build({"name": "int4", "group_size": 32})(lm())
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("quantization: 5 of 35 layers stay in full precision: in_features 172 is not divisible")
+    assert "no int4 group size in (32, 64, 128, 256) divides in_features 172" in line and len(line) < 300

@@ -80,6 +80,18 @@ class CalibrationConfig:
 
 
 @dataclass
+class GptqConfig:
+    """``quant.gptq``: GPTQ's knobs (:class:`lit_ppl.quant.gptq_solver.GptqOptions`)."""
+
+    damp: float = field(default=0.01, metadata=meta("fraction of mean(diag XᵀX) added to its diagonal"))
+    block_size: int = field(default=128, metadata=meta("columns updated together (lazy batch updates)"))
+    act_order: bool = field(default=False, metadata=meta("quantize columns by decreasing XᵀX diagonal"))
+    sequential: bool = field(
+        default=False, metadata=meta("calibrate each decoder block on the outputs of the quantized blocks before it")
+    )
+
+
+@dataclass
 class RuleConfig:
     """One rule of ``quant.rules`` (``quant=policy``); only used to check a rule, which stays as written."""
 
@@ -90,7 +102,7 @@ class RuleConfig:
         default=None, metadata=meta("int4 group size (default: quant.group_size)", choices=GROUP_SIZES)
     )
     method: str | None = field(
-        default=None, metadata=meta("rtn, awq or gptq (default: quant.method)", choices=QUANT_METHODS)
+        default=None, metadata=meta("rtn, awq, gptq or hqq (default: quant.method)", choices=QUANT_METHODS)
     )
 
 
@@ -102,9 +114,14 @@ class QuantConfig:
         default="none", metadata=meta("one scheme for every linear layer, or policy (rules)", choices=QUANT_NAMES)
     )
     method: str = field(
-        default="rtn", metadata=meta("round-to-nearest, or calibrated (awq, gptq: CUDA)", choices=QUANT_METHODS)
+        default="rtn",
+        metadata=meta("round-to-nearest, hqq (int4), or calibrated (awq, gptq)", choices=QUANT_METHODS),
     )
     group_size: int | None = field(default=None, metadata=meta("int4 group size", choices=GROUP_SIZES))
+    group_fallback: bool = field(
+        default=True,
+        metadata=meta("int4: a layer the group size does not divide takes the largest one below that does"),
+    )
     backend: str = field(default="auto", metadata=meta("int4 kernel", choices=INT4_BACKENDS))
     head: bool = field(default=False, metadata=meta("also quantize the output head"))
     source: str = field(
@@ -122,6 +139,7 @@ class QuantConfig:
     calibration: CalibrationConfig = field(
         default_factory=CalibrationConfig, metadata=meta("awq/gptq calibration text")
     )
+    gptq: GptqConfig = field(default_factory=GptqConfig, metadata=meta("GPTQ's options"))
 
 
 @dataclass

@@ -4,9 +4,10 @@ The plan (:mod:`lit_ppl.quant.plan`) decides, for every quantizable weight of th
 ``nn.Embedding`` and fused expert weights: :mod:`lit_ppl.quant.targets`), which scheme it gets (``none``,
 ``int8``, ``int8dq``, ``int4`` with a group size) or why it gets none; :func:`quantize_model` applies it with
 ``quantize_`` (a ``filter_fn`` per scheme for modules, an ``FqnToConfig`` for expert parameters), and the
-:class:`QuantReport` records all of it. Nothing is skipped silently: a layer a scheme cannot take (``in_features``
-not divisible by the group size) is listed with the reason. The ranks' quantized weights are compared by hash
-(:mod:`lit_ppl.quant.consistency`).
+:class:`QuantReport` records all of it. Nothing is skipped silently: an int4 layer given a smaller group size
+than requested is listed under ``adapted``, a layer a scheme cannot take under ``skipped`` with the reason, and
+the log says each in one line with counts and the fix (:func:`summary_lines`). The ranks' quantized weights are
+compared by hash (:mod:`lit_ppl.quant.consistency`).
 
 Tied weights (``tie_word_embeddings``: the output head and the input embeddings are one tensor) are quantized
 once, for both, so the tie holds; when the rules give the two different schemes the plan refuses.
@@ -14,6 +15,7 @@ once, for both, so the tie holds; when the rules give the two different schemes 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -26,8 +28,9 @@ from lit_ppl.config.quant import quant_node
 from lit_ppl.config.values import calibrated_method
 from lit_ppl.errors import LitPplError
 from lit_ppl.parallel.ranks import world
+from lit_ppl.quant.awq import PRE_SCALE
 from lit_ppl.quant.consistency import RankMismatchError, broadcast_from_rank0, check_consistency
-from lit_ppl.quant.plan import GROUP_SIZES, gptq_base_config, plan, rules_from_cfg, torchao_config
+from lit_ppl.quant.plan import GROUP_SIZES, gptq_base_config, gptq_config, plan, rules_from_cfg, torchao_config
 from lit_ppl.quant.targets import to_plain_linear
 from lit_ppl.runtime.memory import tensor_bytes
 
@@ -68,6 +71,12 @@ class QuantReport:
         """Modules a rule asked to quantize that could not be, with the reason."""
         return {n: m["reason"] for n, m in self.modules.items() if m.get("requested") and m["config"] is None}
 
+    @property
+    def adapted(self) -> dict[str, dict[str, Any]]:
+        """int4 layers that took a smaller group size than requested (``quant.group_fallback``), with both."""
+        adapted = {n: m for n, m in self.modules.items() if "adapted" in m}
+        return {n: {"requested": m["requested"], "config": m["config"]} for n, m in adapted.items()}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -79,6 +88,7 @@ class QuantReport:
             "full_precision_bytes": self.full_precision_bytes,
             "full_precision_fraction": self.full_precision_fraction,
             "skipped": self.skipped,
+            "adapted": self.adapted,
             "converted": self.converted,
             "modules": self.modules,
             "consistency": self.consistency,
@@ -96,7 +106,7 @@ def quantize_model(lm: nn.Module, cfg: dict[str, Any], calibration: Any = None, 
     report = QuantReport(name=cfg["name"], source=cfg["source"])
     report.weight_bytes_before = sum(tensor_bytes(p) for _, p in lm.named_parameters())
     report.converted = to_plain_linear(lm)
-    todo, report.modules, targets = plan(lm, rules_from_cfg(cfg), cfg["backend"])
+    todo, report.modules, targets = plan(lm, rules_from_cfg(cfg), cfg["backend"], cfg["group_fallback"])
     _check_planned(lm, report, todo, targets)
     before = {n: tensor_bytes(t.weight(lm)) for n, t in targets.items()}
     twins = {n: e["tied_to"] for n, e in report.modules.items() if "tied_to" in e}
@@ -107,7 +117,7 @@ def quantize_model(lm: nn.Module, cfg: dict[str, Any], calibration: Any = None, 
         # torchao's tensors run in F.linear, not in the grouped-matmul kernels of transformers' default experts.
         lm.set_experts_implementation("eager")
         report.backend["experts"] = "transformers' eager experts loop (F.linear per expert)"
-    _calibrate(lm, todo, calibration, report, broadcast, rank, size)
+    _calibrate(lm, todo, calibration, report, (rank, size, broadcast), cfg["gptq"])
     _round_to_nearest(lm, todo, experts, report, skip=broadcast and rank != 0)
     if broadcast:
         broadcast_from_rank0(lm, [n if n in experts else f"{n}.weight" for n in sorted(todo)])
@@ -128,7 +138,8 @@ def _check_planned(lm: nn.Module, report: QuantReport, todo: dict[str, Any], tar
         first = next(iter(report.skipped.values()))
         raise LitPplError(
             f"quant={report.name} would quantize none of the {len(report.skipped)} layers it names ({first}); "
-            f"choose quant.group_size among {GROUP_SIZES} that divides the layers' in_features"
+            f"choose quant.group_size among {GROUP_SIZES} that divides the layers' in_features, or "
+            "quant.group_fallback=true"
         )
     raise LitPplError(
         f"quant={report.name} quantizes none of {type(lm).__name__}'s {len(targets)} linear, embedding and "
@@ -137,38 +148,53 @@ def _check_planned(lm: nn.Module, report: QuantReport, todo: dict[str, Any], tar
 
 
 def _calibrate(
-    lm: nn.Module, todo: dict[str, Any], calibration: Any, report: QuantReport, broadcast: bool, rank: int, size: int
+    lm: nn.Module,
+    todo: dict[str, Any],
+    calibration: Any,
+    report: QuantReport,
+    where: tuple[int, int, bool],
+    options: dict[str, Any] | None,
 ) -> None:
     """The calibrated layers (AWQ, GPTQ), on the float model before any round-to-nearest layer changes their inputs
-    (torchao's order: every observer sees float activations): GPTQ's Hessians, then AWQ, then GPTQ's quantization.
-    Under ``source=rank0``, rank 0 alone calibrates on the whole set."""
+    (torchao's order: every observer sees float activations): GPTQ's Hessians, then AWQ, then GPTQ's quantization
+    (``quant.gptq.sequential``: block by block after AWQ). ``where``: ``(rank, world size, broadcast)``; under
+    ``source=rank0`` rank 0 alone calibrates on the whole set."""
     calibrated = {n: torchao_config(s, k)[0] for n, (s, k, m) in todo.items() if m == "awq"}
-    gptq = {n: gptq_base_config(s)[0] for n, (s, k, m) in todo.items() if m == "gptq"}
+    gptq = {n: gptq_config(s, k) for n, (s, k, m) in todo.items() if m == "gptq"}
     if not (calibrated or gptq):
         return
     if calibration is None:
         method = "awq" if calibrated else "gptq"
         raise LitPplError(f"quant.method={method} needs calibration text: set quant.calibration.path=FILE")
     from lit_ppl.quant.awq import run_awq
-    from lit_ppl.quant.gptq import apply_gptq, gptq_hessians
+    from lit_ppl.quant.gptq import gptq_hessians, run_gptq
+    from lit_ppl.quant.gptq_solver import GptqOptions
 
-    for s, k, m in {v for v in todo.values() if v[2] != "rtn"}:
-        label = f"{s.label} ({k})" if k and m == "awq" else s.label  # GPTQ's int4 is its own Int4Tensor
-        what = f"AWQ scales (lit_ppl.quant.awq) over {torchao_config(s, k)[1]}" if m == "awq" else None
-        report.backend[f"{m} {label}"] = what or f"{gptq_base_config(s)[1]}, Hessians reduced by lit_ppl.quant.gptq"
+    opts = GptqOptions.from_cfg(options)
+    for s, k, m in {v for v in todo.values() if v[2] in ("awq", "gptq")}:
+        label, (_, torchao) = (f"{s.label} ({k})" if k else s.label), gptq_config(s, k)
+        if m == "awq":
+            what = f"AWQ scales (lit_ppl.quant.awq) over {torchao_config(s, k)[1]}"
+        elif torchao:
+            what = f"{gptq_base_config(s)[1]}, Hessians reduced by lit_ppl.quant.gptq"
+        else:
+            what = f"GPTQ on torch ops (lit_ppl.quant.gptq_solver) to {torchao_config(s, k)[1]}"
+        report.backend[f"{m} {label}"] = what
+    rank, size, broadcast = where
     if broadcast and rank != 0:
         return
-    where = (0, 1) if broadcast else (rank, size)
+    at = (0, 1) if broadcast else (rank, size)
     t0 = time.perf_counter()
-    hessians = gptq_hessians(lm, sorted(gptq), calibration, *where) if gptq else {}
+    hessians = gptq_hessians(lm, sorted(gptq), calibration, *at) if gptq and not opts.sequential else None
     choices: dict[str, dict[str, Any]] = {}
     if calibrated:
-        choices, report.calibration = run_awq(lm, calibrated, calibration, *where)
+        choices, report.calibration = run_awq(lm, calibrated, calibration, *at)
     if gptq:
-        choices.update(apply_gptq(lm, gptq, hessians))
-        info = report.calibration or {**calibration.describe(), "world_size": where[1]}
+        choices.update(run_gptq(lm, gptq, calibration, *at, opts, hessians))
+        info = report.calibration or {**calibration.describe(), "world_size": at[1]}
         methods = "awq+gptq" if calibrated else "gptq"
-        report.calibration = {**info, "method": methods, "seconds": time.perf_counter() - t0}
+        gptq_info = {"gptq": {**dataclasses.asdict(opts)}}
+        report.calibration = {**info, **gptq_info, "method": methods, "seconds": time.perf_counter() - t0}
     for name, choice in choices.items():
         report.modules[name].update(choice)
 
@@ -187,14 +213,16 @@ class _Chosen:
 
 
 def _round_to_nearest(lm: nn.Module, todo: dict[str, Any], experts: set[str], report: QuantReport, skip: bool) -> None:
-    """The round-to-nearest layers, one torchao ``quantize_`` per scheme; ``skip``: they arrive by broadcast."""
+    """The calibration-free layers (round-to-nearest, HQQ), one torchao ``quantize_`` per scheme and method;
+    ``skip``: they arrive by broadcast."""
     from torchao.quantization import FqnToConfig, quantize_
 
-    schemes = sorted({(s, k) for s, k, m in todo.values() if m == "rtn"}, key=lambda sk: (sk[0].label, sk[1] or ""))
-    for scheme, kernel in schemes:
-        names = {n for n, skm in todo.items() if skm == (scheme, kernel, "rtn")}
-        config, backend = torchao_config(scheme, kernel)
-        report.backend[f"{scheme.label} ({kernel})" if kernel else scheme.label] = backend
+    free = {v for v in todo.values() if v[2] in ("rtn", "hqq")}
+    for scheme, kernel, method in sorted(free, key=lambda skm: (skm[0].label, skm[1] or "", skm[2])):
+        names = {n for n, skm in todo.items() if skm == (scheme, kernel, method)}
+        config, backend = torchao_config(scheme, kernel, method)
+        label = f"{scheme.label} ({kernel})" if kernel else scheme.label
+        report.backend[label if method == "rtn" else f"{method} {label}"] = backend
         if skip:
             continue  # quantized once, on rank 0
         chosen = _Chosen(names - experts)
@@ -215,17 +243,47 @@ def _finish_report(lm: nn.Module, report: QuantReport, tp: int) -> None:
     quantized = {id(p) for p in lm.parameters() if hasattr(p, "__tensor_flatten__")}
     report.quantized_params = [n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) in quantized]
     report.full_precision_bytes = sum(tensor_bytes(p) for p in lm.parameters() if id(p) not in quantized)
-    report.consistency = check_consistency(lm, [n for n, p in lm.named_parameters() if id(p) in quantized], tp)
-    skipped = report.skipped
-    if skipped:
-        log.warning(
-            "quantization skipped %d modules: %s", len(skipped), "; ".join(f"{n}: {r}" for n, r in skipped.items())
-        )
+    hashed = [n for n, p in lm.named_parameters() if id(p) in quantized or n.endswith(f".{PRE_SCALE}")]
+    report.consistency = check_consistency(lm, hashed, tp)  # AWQ's input pre-scales are part of the model
+    for line in summary_lines(report):
+        log.warning("%s", line)
     log.info(
         "quantized %d weights; %.1f%% of the weight bytes stay in full precision",
         report.quantized_modules,
         100 * report.full_precision_fraction,
     )
+
+
+def summary_lines(report: QuantReport) -> list[str]:
+    """One short line each for the adapted and the skipped layers: counts, the reasons, the fix; the full lists are
+    in ``results.json`` (``quant.adapted``, ``quant.skipped``, per module ``quant.modules``)."""
+    asked = sum(bool(m["config"] or m.get("requested")) for m in report.modules.values())
+    lines = []
+    for key, names in (("adapted", report.adapted), ("skipped", report.skipped)):
+        if not names:
+            continue
+        entries = [report.modules[n] for n in names]
+        reasons: dict[str, int] = {}
+        for m in entries:
+            why = m["adapted"] if key == "adapted" else m["reason"]
+            reasons[why] = reasons.get(why, 0) + 1
+        shown = "; ".join(f"{why} ({k})" if len(reasons) > 1 else why for why, k in list(reasons.items())[:3])
+        shown += "; ..." if len(reasons) > 3 else ""
+        widths = {m["in_features"] for m in entries if "in_features" in m}
+        fits = [g for g in GROUP_SIZES if widths and all(w % g == 0 for w in widths)]
+        if key == "adapted":
+            used = sorted({m["config"] for m in entries})
+            fix = f"they use {', '.join(used)}" + (f"; quant.group_size={max(fits)} divides all" if fits else "")
+            what = f"{len(names)} of {asked} layers took a smaller int4 group"
+        elif all(m["reason"].startswith("in_features") for m in entries):
+            none = f"no int4 group size in {GROUP_SIZES} divides in_features {', '.join(map(str, sorted(widths)))}"
+            fix = f"quant.group_size={max(fits)} divides all" if fits else f"{none}: a policy rule can give them int8"
+        else:
+            fix = "a quant=policy rule can give them another config (e.g. int8)"
+        if key == "skipped":
+            what = f"{len(names)} of {asked} layers stay in full precision"
+        lines.append(f"quantization: {what}: {shown}; {fix} (list: results.json quant.{key})")
+    return lines
 
 
 def build(

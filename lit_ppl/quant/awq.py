@@ -1,7 +1,9 @@
 """AWQ, calibrated across ranks: one scale search, the same on every rank.
 
 AWQ (activation-aware weight quantization) quantizes ``W·diag(s)`` instead of ``W`` and divides the layer's
-input by ``s`` at run time (torchao's ``act_pre_scale``). For each linear layer, with ``x̄`` the mean absolute
+input by ``s`` at run time: torchao's ``act_pre_scale`` where the quantized tensor has one (``Int8Tensor``), else
+one elementwise multiply at the layer's input (:func:`attach_pre_scale`), so that AWQ runs on every int4 backend.
+For each linear layer, with ``x̄`` the mean absolute
 input per channel over the calibration tokens, torchao's search tries ``s = x̄^(i/n)`` (normalised by
 ``sqrt(max·min)``) for ``i = 0 .. n-1`` and keeps the one whose quantized output is closest to the float output.
 
@@ -28,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_ppl.errors import LitPplError
 from lit_ppl.quant.calibration import Calibration, all_reduce, layer_statistics, stream
 
 
@@ -38,6 +39,22 @@ def quantize_weight(weight: torch.Tensor, config: Any) -> torch.Tensor:
     from torchao.utils import DummyModule
 
     return _QUANTIZE_CONFIG_HANDLER[type(config)](DummyModule(weight), config).weight
+
+
+PRE_SCALE = "awq_pre_scale"  # a layer's input multiplier where its quantized tensor has no act_pre_scale
+
+
+def _pre_scale(module: nn.Module, args: tuple) -> tuple:
+    return (args[0] * getattr(module, PRE_SCALE), *args[1:])
+
+
+def attach_pre_scale(module: nn.Module, inv_s: torch.Tensor) -> None:
+    """Multiply the layer's input by ``inv_s`` (one elementwise multiply before its ``F.linear``): AWQ's
+    ``x · s⁻¹`` for quantized tensors without torchao's ``act_pre_scale``. A parameter, so it moves with the
+    module, counts in its bytes, and is hashed with the quantized weights (:mod:`lit_ppl.quant.consistency`);
+    not folded into the preceding norm, which feeds several layers with different scales."""
+    setattr(module, PRE_SCALE, nn.Parameter(inv_s.detach().clone(), requires_grad=False))
+    module.register_forward_pre_hook(_pre_scale)
 
 
 def candidate_scales(x_mean: torch.Tensor, grid: int, dtype: torch.dtype) -> torch.Tensor:
@@ -118,12 +135,10 @@ def apply_awq(
         mod = lm.get_submodule(name)
         s = st["scales"][best]
         qw = quantize_weight(mod.weight.detach() * s, configs[name])
-        if not isinstance(qw, SupportsActivationPreScaling):
-            raise LitPplError(
-                f"AWQ needs a quantized tensor with an activation pre-scale; {type(configs[name]).__name__} gives "
-                f"{type(qw).__name__} for {name}, which has none: use quant.method=rtn for it"
-            )
-        qw.act_pre_scale = 1.0 / s
+        if isinstance(qw, SupportsActivationPreScaling):
+            qw.act_pre_scale = 1.0 / s  # torchao's own: inside the tensor's linear
+        else:
+            attach_pre_scale(mod, 1.0 / s)  # IntxUnpackedToInt8Tensor and the int4 CPU/CUDA packings have none
         mod.weight = nn.Parameter(qw, requires_grad=False)
         base = float(st["errors"][0])
         chosen[name] = {

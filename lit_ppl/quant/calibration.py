@@ -217,6 +217,14 @@ def all_reduce(t: torch.Tensor, world_size: int) -> torch.Tensor:
     return t
 
 
+class _Stop(Exception):
+    """Raised after the last observed block: the rest of the forward pass would observe nothing."""
+
+
+def _stop_hook(*_: Any) -> None:
+    raise _Stop
+
+
 def _run(lm: nn.Module, calibration: Calibration, batches: list[list[int]], real_box: list[torch.Tensor]) -> None:
     """Stream ``batches`` through the float model; hooks read ``real_box[0]``, the mask of real positions."""
     decoder, head = decoder_and_head(lm)
@@ -225,7 +233,10 @@ def _run(lm: nn.Module, calibration: Calibration, batches: list[list[int]], real
         for ids in batches:
             input_ids, real = calibration.batch(ids, device)
             real_box[0] = real
-            out = decoder(input_ids=input_ids, use_cache=False)
+            try:
+                out = decoder(input_ids=input_ids, use_cache=False)
+            except _Stop:
+                continue
             hidden = out[0] if isinstance(out, tuple) else getattr(out, "last_hidden_state", out)
             if getattr(head, "_lit_ppl_awq", False):  # the head's input only matters when the head is calibrated
                 head(hidden)
@@ -238,9 +249,13 @@ def stream(
     calibration: Calibration,
     batches: list[list[int]],
     real_box: list[torch.Tensor],
+    stop: nn.Module | None = None,
 ) -> None:
-    """One pass of ``batches`` with the pre-hook ``make(name)`` on every module of ``modules``."""
+    """One pass of ``batches`` with the pre-hook ``make(name)`` on every module of ``modules``; ``stop``: a module
+    after whose forward each batch's pass ends (nothing after it is observed)."""
     handles = [mod.register_forward_pre_hook(make(name)) for name, mod in modules.items()]
+    if stop is not None:
+        handles.append(stop.register_forward_hook(_stop_hook))
     head = lm.get_output_embeddings()
     marked = head is not None and any(m is head for m in modules.values())
     if marked:

@@ -1,14 +1,17 @@
-"""GPTQ's Hessians, summed across ranks.
+"""GPTQ across ranks: the Hessians summed over them, then each layer's quantization, optionally block by block.
 
-GPTQ (CUDA only: torchao 0.18's ``gptq_quantize`` asserts a CUDA weight) needs one statistic per layer, the
-Hessian ``H ∝ XᵀX`` of its inputs: accumulated as a float64 ``in × in`` sum and a token count, one ``all_reduce``
-each, then handed to torchao's ``gptq_quantize`` (its ``GPTQConfig`` "convert" core, whose observer would keep a
-float32 ``H`` per layer and know nothing of ranks). Like torchao's default it is not sequential: every layer's
-``H`` comes from the float model in one pass, before any layer is quantized.
+GPTQ needs one statistic per layer, the Hessian ``H ∝ XᵀX`` of its inputs: accumulated as a float64 ``in × in``
+sum and a token count, one ``all_reduce`` each (torchao's observer would keep a float32 ``H`` per layer and know
+nothing of ranks). The quantization itself is :mod:`lit_ppl.quant.gptq_solver` (plain torch ops, any device: the
+codes of torchao's ``IntxUnpackedToInt8Tensor``/``Int8Tensor``), or torchao's ``gptq_quantize`` for the CUDA
+``Int4Tensor`` of the tinygemm backend (CUDA only: torchao 0.18 asserts a CUDA weight). By default, like torchao's,
+every layer's ``H`` comes from the float model in one pass; ``quant.gptq.sequential`` calibrates each decoder block
+on the outputs of the blocks before it, already quantized.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +20,7 @@ from torch import nn
 
 from lit_ppl.errors import LitPplError
 from lit_ppl.quant.calibration import Calibration, all_reduce, layer_statistics, stream
+from lit_ppl.quant.gptq_solver import GptqOptions, gptq_tensor
 
 
 def gptq_problem(device: torch.device) -> str | None:
@@ -28,7 +32,12 @@ def gptq_problem(device: torch.device) -> str | None:
 
 
 def gptq_hessians(
-    lm: nn.Module, names: list[str], calibration: Calibration, rank: int, world_size: int
+    lm: nn.Module,
+    names: list[str],
+    calibration: Calibration,
+    rank: int,
+    world_size: int,
+    stop: nn.Module | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Per layer ``xtx = Σ xᵀx`` (float64, ``(in, in)``) and ``count`` (int64 tokens) over this rank's calibration
     batches, then summed over the ranks: every rank holds the whole calibration set's numbers, bit for bit.
@@ -54,7 +63,7 @@ def gptq_hessians(
 
         return hook
 
-    stream(lm, modules, observe, calibration, batches, real_box)
+    stream(lm, modules, observe, calibration, batches, real_box, stop)
     # One all_reduce per layer (in the same order on every rank): every rank receives the same reduced bits.
     # Not one flat tensor: that would hold a second copy of every layer's Hessian at once.
     for st in stats.values():
@@ -67,7 +76,7 @@ def gptq_hessians(
 
 def gptq_weight(xtx: torch.Tensor, count: int, weight: torch.Tensor, base_config: Any) -> torch.Tensor:
     """torchao's GPTQ (``gptq_quantize``: damping, Cholesky inverse, column-wise error feedback) from a summed
-    ``xtx``; returns torchao's ``Int8Tensor``/``Int4Tensor``.
+    ``xtx``; returns torchao's ``Int4Tensor`` (CUDA, tinygemm's layouts: the codes lit-ppl's solver cannot set).
 
     torchao's observer holds ``H = (2/n) Σ xᵀx`` in float32 with ``n`` the batches it saw; here ``n`` is the token
     count (each token weighs the same, padding excluded). GPTQ is invariant to the scale of ``H`` (its damping is
@@ -84,15 +93,61 @@ def gptq_weight(xtx: torch.Tensor, count: int, weight: torch.Tensor, base_config
     return gptq_quantize(h, weight.detach().clone(), config)
 
 
-def apply_gptq(
-    lm: nn.Module, configs: dict[str, Any], hessians: dict[str, dict[str, torch.Tensor]]
+def quantize_layers(
+    lm: nn.Module,
+    configs: dict[str, tuple[Any, bool]],
+    hessians: dict[str, dict[str, torch.Tensor]],
+    opts: GptqOptions,
 ) -> dict[str, dict[str, Any]]:
-    """Replace each layer of ``configs`` (name → torchao ``Int8WeightOnlyConfig``/``Int4WeightOnlyConfig``) by its
+    """Replace each layer of ``configs`` (name → (torchao config, whether torchao's own CUDA GPTQ runs it)) by its
     GPTQ quantization from the reduced ``hessians`` (:func:`gptq_hessians`); returns per-layer facts."""
     chosen: dict[str, dict[str, Any]] = {}
-    for name, config in configs.items():
+    for name, (config, torchao) in configs.items():
         mod = lm.get_submodule(name)
         st = hessians[name]
-        mod.weight = nn.Parameter(gptq_weight(st["xtx"], int(st["count"]), mod.weight, config), requires_grad=False)
-        chosen[name] = {"gptq_tokens": int(st["count"])}
+        facts: dict[str, Any] = {"gptq_tokens": int(st["count"])}
+        if torchao:
+            weight = gptq_weight(st["xtx"], int(st["count"]), mod.weight, config)
+        else:
+            weight, more = gptq_tensor(st["xtx"], mod.weight, config, opts)
+            facts.update(more)
+        mod.weight = nn.Parameter(weight, requires_grad=False)
+        chosen[name] = facts
+    return chosen
+
+
+def blocks(lm: nn.Module, names: list[str]) -> list[tuple[nn.Module | None, list[str]]]:
+    """``names`` grouped by decoder block (the first ``.N.`` of a name: ``model.layers.3``), in forward order,
+    each with the block module (``None`` for a layer in no numbered block, e.g. the head: observed last)."""
+    order = {n: i for i, (n, _) in enumerate(lm.named_modules())}
+    groups: dict[str, list[str]] = {}
+    for name in sorted(names, key=order.__getitem__):
+        m = re.match(r"(.*?\.\d+)\.", name)
+        groups.setdefault(m.group(1) if m else "", []).append(name)
+    tail = groups.pop("", [])
+    out: list[tuple[nn.Module | None, list[str]]] = [(lm.get_submodule(p), ns) for p, ns in groups.items()]
+    return out + ([(None, tail)] if tail else [])
+
+
+def run_gptq(
+    lm: nn.Module,
+    configs: dict[str, tuple[Any, bool]],
+    calibration: Calibration,
+    rank: int,
+    world_size: int,
+    opts: GptqOptions,
+    hessians: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """GPTQ of every layer of ``configs``: from ``hessians`` of the float model (one pass, computed here if not
+    given), or ``opts.sequential``: block by block, each block's Hessians from a pass through the blocks before it
+    already quantized (the pass stops after the block). Every rank reduces the same sums, so holds the same weights."""
+    if not opts.sequential:
+        hessians = (
+            hessians if hessians is not None else gptq_hessians(lm, sorted(configs), calibration, rank, world_size)
+        )
+        return quantize_layers(lm, configs, hessians, opts)
+    chosen: dict[str, dict[str, Any]] = {}
+    for block, names in blocks(lm, list(configs)):
+        h = gptq_hessians(lm, names, calibration, rank, world_size, stop=block)
+        chosen.update(quantize_layers(lm, {n: configs[n] for n in names}, h, opts))
     return chosen

@@ -1,10 +1,11 @@
 """The quantization plan: which scheme each quantizable weight gets, or why it gets none, and torchao's configs.
 
 A :class:`Rule` (from a ``quant`` config: :func:`rules_from_cfg`) gives the modules it matches a :class:`Scheme`
-(``none``, ``int8``, ``int8dq``, ``int4`` with a group size) and a method (``rtn``, ``awq``, ``gptq``). :func:`plan`
-decides every target of :mod:`lit_ppl.quant.targets` (``nn.Linear``, ``nn.Embedding``, fused expert weights):
-the first matching rule wins, a layer a scheme cannot take (``in_features`` not divisible by the group size) is
-listed with the reason, and what cannot run at all (a method torchao lacks here, a tensor-parallel slice that
+(``none``, ``int8``, ``int8dq``, ``int4`` with a group size) and a method (``rtn``, ``hqq``, ``awq``, ``gptq``).
+:func:`plan` decides every target of :mod:`lit_ppl.quant.targets` (``nn.Linear``, ``nn.Embedding``, fused expert
+weights): the first matching rule wins, an int4 layer whose ``in_features`` the group size does not divide takes
+the largest group size below it that does (:func:`fit_group`), a layer a scheme cannot take at all is listed with
+the reason, and what cannot run at all (a method torchao lacks here, a tensor-parallel slice that
 would quantize differently, tied weights given two schemes) is refused. :func:`torchao_config` and
 :func:`gptq_base_config` are the torchao configs that :func:`lit_ppl.quant.apply.quantize_model` applies.
 """
@@ -26,7 +27,9 @@ from lit_ppl.quant.targets import ROLES, Target, find_targets, foreign_forward
 
 SCHEMES = QUANT_SCHEMES
 SOURCES = QUANT_SOURCES
-METHODS = QUANT_METHODS  # round-to-nearest, activation-aware (calibrated: lit_ppl.quant.calibration), GPTQ
+METHODS = (
+    QUANT_METHODS  # round-to-nearest, HQQ (calibration-free), AWQ and GPTQ (calibrated: lit_ppl.quant.calibration)
+)
 
 
 @dataclass(frozen=True)
@@ -102,31 +105,42 @@ def method_problem(rule: Rule, kernel: str | None, target: Target, tied: bool, d
     if rule.method == "rtn":
         return None
     where = f"quant.method={rule.method} ({rule.describe()})"
-    if rule.method == "gptq" and device.type != "cuda":
-        return f"{where} needs CUDA (torchao: 'GPTQ only supports CUDA currently'); use method=awq or rtn on CPU"
+    if rule.method == "hqq":  # calibration-free: any int4 target, on every backend (torchao's HQQ grids)
+        return None if rule.scheme.kind == "int4" else f"{where} chooses int4 group scales: use config int4, or rtn"
     if target.kind != "linear" or tied:
         what = "a tied head/embedding table" if tied else f"an {target.kind} weight"  # embedding or experts
         return f"{where} calibrates on a linear layer's inputs; {what} has none: give it method=rtn"
     if rule.scheme.kind == "int8dq":
         return f"{where} is weight-only in torchao; int8dq also quantizes activations: use config int8, or method=rtn"
-    if rule.method == "gptq":
-        if rule.scheme.kind == "int4" and kernel != "tinygemm":
-            return f"{where} on int4 builds torchao's CUDA Int4Tensor: run with precision=bf16-true, or use config int8"
-        if rule.scheme.kind == "int4" and importlib.util.find_spec("mslk") is None:
-            return f"{where} on int4 needs the mslk package (torchao's int4 GPTQ kernels): install it, or use int8"
-        return None
-    if rule.scheme.kind == "int4" and kernel != "tinygemm":
-        return (
-            f"{where} on int4 needs torchao's CUDA int4 tensor (activation pre-scaling; IntxWeightOnlyConfig and the "
-            f"CPU prototype lack it): run on a GPU with precision=bf16-true, or use config int8 on {device.type}"
-        )
-    return None
+    if rule.method == "gptq" and rule.scheme.kind == "int4":
+        if kernel == "prototype":
+            return (
+                f"{where} sets the codes of IntxWeightOnlyConfig's int4 tensor; the CPU bf16 prototype packing has "
+                "none to set: use quant.backend=intx, or precision=32-true"
+            )
+        if kernel == "tinygemm" and importlib.util.find_spec("mslk") is None:
+            return (
+                f"{where} on tinygemm int4 is torchao's CUDA GPTQ, which needs the mslk package: install it, or use "
+                "quant.backend=intx (lit-ppl's GPTQ on torch ops)"
+            )
+    return None  # AWQ: any backend (lit_ppl.quant.awq pre-scales the input where the tensor cannot)
+
+
+def gptq_config(scheme: Scheme, kernel: str | None) -> tuple[Any, bool]:
+    """The torchao config GPTQ builds a tensor of, and whether torchao's own CUDA GPTQ does it (tinygemm's int4
+    layouts, whose codes lit-ppl's solver does not set) rather than :mod:`lit_ppl.quant.gptq_solver`."""
+    if kernel == "tinygemm":
+        return gptq_base_config(scheme)[0], True
+    return torchao_config(scheme, kernel)[0], False
 
 
 def plan(
-    lm: nn.Module, rules: list[Rule], backend: str = "auto"
+    lm: nn.Module, rules: list[Rule], backend: str = "auto", fallback: bool = True
 ) -> tuple[dict[str, tuple[Scheme, str | None, str]], dict[str, dict[str, Any]], dict[str, Target]]:
-    """Decide each target's scheme: ``({name: (scheme, int4 backend, method)}, {name: report entry}, targets)``."""
+    """Decide each target's scheme: ``({name: (scheme, int4 backend, method)}, {name: report entry}, targets)``.
+
+    ``fallback``: an int4 layer whose input features the group size does not divide takes the largest group size
+    below it that does (:func:`fit_group`), recorded in its entry; otherwise it stays in full precision, listed."""
     targets = find_targets(lm)
     decided: dict[str, tuple[Scheme, Rule | None]] = {}
     for name, target in targets.items():
@@ -176,9 +190,15 @@ def plan(
         refused = method_problem(rule, kernel, target, name in tied or name in tied.values(), weight.device)
         if refused:
             raise LitPplError(f"{name}: {refused}")
+        fitted = fit_group(scheme, weight, module) if fallback else scheme
+        if fitted != scheme:
+            entry["requested"], entry["in_features"] = scheme.label, weight.shape[-1]
+            entry["adapted"] = f"in_features {weight.shape[-1]} is not a multiple of group_size {scheme.group_size}"
+        scheme = fitted
         problem = shape_problem(scheme, kernel, weight)
         if problem:
-            entry["requested"], entry["reason"] = scheme.label, problem
+            entry["requested"], entry["reason"] = entry.get("requested", scheme.label), problem
+            entry["in_features"] = weight.shape[-1]
         else:
             entry["config"], entry["method"] = scheme.label, rule.method
             if name not in tied:  # the tied twin is quantized through its first name
@@ -212,6 +232,18 @@ def split_problem(scheme: Scheme, module: nn.Module | None) -> str | None:
             "parallel.tp"
         )
     return None
+
+
+def fit_group(scheme: Scheme, weight: torch.Tensor, module: nn.Module | None) -> Scheme:
+    """``scheme`` with the largest group size ≤ the requested one that divides the layer's input features (the whole
+    row's under tensor parallelism, so that tp=1 chooses the same), or ``scheme`` itself if it fits or none does."""
+    if scheme.kind != "int4" or weight.ndim != 2:
+        return scheme
+    width = getattr(module, "full_in_features", None) or weight.shape[-1]
+    if width % scheme.group_size == 0:
+        return scheme
+    fits = [g for g in GROUP_SIZES if g < scheme.group_size and width % g == 0 and weight.shape[-1] % g == 0]
+    return Scheme("int4", max(fits)) if fits else scheme
 
 
 def int4_backend(requested: str, device: torch.device, dtype: torch.dtype, embedding: bool) -> str:
@@ -250,8 +282,9 @@ def shape_problem(scheme: Scheme, backend: str | None, weight: torch.Tensor) -> 
     return None
 
 
-def torchao_config(scheme: Scheme, backend: str | None) -> tuple[Any, str]:
-    """The torchao config for ``scheme`` (``backend`` resolved by :func:`int4_backend`) and its description."""
+def torchao_config(scheme: Scheme, backend: str | None, method: str = "rtn") -> tuple[Any, str]:
+    """The torchao config for ``scheme`` (``backend`` resolved by :func:`int4_backend`) and its description;
+    ``method="hqq"``: int4 with torchao's HQQ choice of the group scales instead of round-to-nearest's."""
     from torchao.quantization import (
         Int4WeightOnlyConfig,
         Int8DynamicActivationInt8WeightConfig,
@@ -264,14 +297,29 @@ def torchao_config(scheme: Scheme, backend: str | None) -> tuple[Any, str]:
         return Int8WeightOnlyConfig(), "Int8WeightOnlyConfig (Int8Tensor, per-row)"
     if scheme.kind == "int8dq":
         return Int8DynamicActivationInt8WeightConfig(), "Int8DynamicActivationInt8WeightConfig (Int8Tensor, per-row)"
-    g = scheme.group_size
+    g, hqq = scheme.group_size, method == "hqq"
+    algo = {"int4_choose_qparams_algorithm": "hqq"} if hqq else {}  # torchao's default otherwise
+    named = ", HQQ qparams" if hqq else ""
     if backend == "tinygemm":
-        cfg = Int4WeightOnlyConfig(group_size=g, int4_packing_format="tile_packed_to_4d")
-        return cfg, f"Int4WeightOnlyConfig(group_size={g}, tile_packed_to_4d) (tinygemm, CUDA)"
+        cfg = Int4WeightOnlyConfig(group_size=g, int4_packing_format="tile_packed_to_4d", **algo)
+        return cfg, f"Int4WeightOnlyConfig(group_size={g}, tile_packed_to_4d{named}) (tinygemm, CUDA)"
     if backend == "prototype":
         from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
 
-        return PrototypeInt4WeightOnlyConfig(group_size=g), f"PrototypeInt4WeightOnlyConfig(group_size={g}) (CPU)"
+        return PrototypeInt4WeightOnlyConfig(
+            group_size=g, **algo
+        ), f"PrototypeInt4WeightOnlyConfig(group_size={g}{named}) (CPU)"
+    if hqq:
+        from torchao.quantization.quantize_.workflows.intx.intx_choose_qparams_algorithm import (
+            IntxChooseQParamsAlgorithm,
+        )
+
+        cfg = IntxWeightOnlyConfig(
+            weight_dtype=torch.int4,
+            granularity=PerGroup(g),
+            intx_choose_qparams_algorithm=IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY,
+        )
+        return cfg, f"IntxWeightOnlyConfig(int4, PerGroup({g}), HQQ scale-only) (int4 values one per int8, any device)"
     cfg = IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(g))
     return cfg, f"IntxWeightOnlyConfig(int4, PerGroup({g})) (int4 values stored one per int8, any device)"
 
