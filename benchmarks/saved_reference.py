@@ -62,13 +62,14 @@ def part1(tmp: Path, model: Path, text: Path, seq: int) -> None:
     ]
     print(f"\n{model.name}: {tokens:,} tokens, seq {seq}, 32-true")
     print(table(rows, ["run", "peak RSS (MB)", "seconds", "chunk_size"]))
-    live, saved = runs["int8 compare=unquantized (live)"], runs["int8 compare=saved"]
-    print(
-        f"store: {size / 2**20:.1f} MiB = {(size - head) / tokens:.1f} bytes/token + head {head / 2**20:.1f} MiB; "
-        f"live - saved peak RSS: {live['rank_peak_rss_mb'][0] - saved['rank_peak_rss_mb'][0]:.0f} MB; "
-        f"mean KLD {saved['compare']['kld_mean']:.6f}; largest relative difference live vs saved: "
-        f"{worst(live['compare'], saved['compare']):.3g}"
-    )
+    print(f"store: {size / 2**20:.1f} MiB = {(size - head) / tokens:.1f} bytes/token + head {head / 2**20:.1f} MiB")
+    for kind in ("int8", "float"):
+        live, saved = runs[f"{kind} compare=unquantized (live)"], runs[f"{kind} compare=saved"]
+        print(
+            f"{kind}: live - saved peak RSS {live['rank_peak_rss_mb'][0] - saved['rank_peak_rss_mb'][0]:.0f} MB; "
+            f"mean KLD {saved['compare']['kld_mean']:.6g}; largest relative difference of any statistic, live vs "
+            f"saved: {worst(live['compare'], saved['compare']):.3g}"
+        )
 
 
 def part2(tmp: Path, text: Path) -> None:
