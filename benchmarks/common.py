@@ -117,8 +117,10 @@ def quiet():
         logging.getLogger("lightning.pytorch").setLevel(level)
 
 
-def lit_ppl(model: Path, text: Path, work: Path, *extra: str, trainer: str = "cpu") -> dict[str, Any]:
-    """One in-process lit-ppl evaluation (rolling mode); returns its results (``seconds`` is the step loop)."""
+def lit_ppl(
+    model: Path, text: Path, work: Path, *extra: str, trainer: str = "cpu", mode: str = "rolling"
+) -> dict[str, Any]:
+    """One in-process lit-ppl evaluation (``eval=mode``); returns its results (``seconds`` is the step loop)."""
     from lit_ppl.run import evaluate
 
     cfg = compose(
@@ -128,7 +130,7 @@ def lit_ppl(model: Path, text: Path, work: Path, *extra: str, trainer: str = "cp
         f"data.cache_dir={work / 'cache'}",
         f"output_dir={work / 'out'}",
         f"trainer={trainer}",
-        "eval=rolling",
+        f"eval={mode}",
         *extra,
     )
     with quiet():

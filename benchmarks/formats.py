@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import WIKITEXT, compose, cut_text, quiet, require_shared, table
+from common import WIKITEXT, cut_text, lit_ppl, require_shared, table
 
 MODELS = Path(os.path.expanduser("~/.cache/lit_ppl/models"))
 GGUF = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,22 +24,8 @@ HF = MODELS / "smollm2-135m"
 
 
 def run(model: Path, text: Path, work: Path, mode: str, seq_len: int) -> dict:
-    from lit_ppl.run import evaluate
-
-    cfg = compose(
-        f"model.path={model}",
-        "data=text",
-        f"data.path={text}",
-        f"data.cache_dir={work / 'cache'}",
-        f"output_dir={work / 'out'}",
-        "trainer=cpu",
-        f"eval={mode}",
-        f"eval.seq_len={seq_len}",
-        "batch_size=1",
-    )
     t0 = time.perf_counter()
-    with quiet():
-        r = evaluate(cfg)
+    r = lit_ppl(model, text, work, f"eval.seq_len={seq_len}", "batch_size=1", mode=mode)
     r["wall_s"] = time.perf_counter() - t0
     return r
 
