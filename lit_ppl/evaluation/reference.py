@@ -25,8 +25,7 @@ from torch import nn
 from lit_ppl.data.windows import Windows, scored_positions
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.scorer import TokenScorer, logit_transform, transform
-from lit_ppl.parallel.sharding import local
-from lit_ppl.parallel.tensor_parallel import all_gather_uneven
+from lit_ppl.parallel.tensor_parallel import gather_vocab
 from lit_ppl.runtime.files import shared_npy, write_json_atomic
 
 FORMAT = 1
@@ -87,14 +86,12 @@ def full_head(scorer: TokenScorer) -> dict[str, torch.Tensor]:
         t = getattr(head, name, None)
         if t is None:
             continue
-        t = t.full_tensor() if hasattr(t, "full_tensor") else local(t)
+        if hasattr(t, "full_tensor"):  # an FSDP2 shard
+            t = t.full_tensor()
         if hasattr(t, "__tensor_flatten__"):  # quant.head=true (torchao): the values the model computes with
             t = t.dequantize()
         if scorer.tp is not None:
-            rows = torch.tensor([t.shape[0]], device=t.device)
-            sizes = [torch.zeros_like(rows) for _ in range(scorer.tp.size)]
-            torch.distributed.all_gather(sizes, rows, group=scorer.tp.group)
-            t = all_gather_uneven(t.contiguous(), 0, [int(s) for s in sizes], scorer.tp.group)
+            t = gather_vocab(t, scorer.tp, dim=0)
         out[name] = t.detach().cpu()
     return out
 
@@ -194,9 +191,9 @@ class SavedReference:
     def read(self, index: torch.Tensor, targets: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
         """``(hidden (n, d), nll (n,))`` of the corpus tokens ``index``; refuses rows whose target differs."""
         rows = index.cpu().numpy()
-        stored = torch.from_numpy(self.target[rows].astype(np.int64))
-        if not torch.equal(stored, targets.cpu()):
-            bad = int(rows[(stored != targets.cpu()).nonzero()[0, 0]])
+        stored, given = torch.from_numpy(self.target[rows].astype(np.int64)), targets.cpu()
+        if not torch.equal(stored, given):
+            bad = int(rows[(stored != given).nonzero()[0, 0]])
             raise LitPplError(
                 f"compare.reference.store={str(self.dir)!r}: corpus token {bad} is another token in the store than "
                 "in this run's text"

@@ -242,11 +242,13 @@ def all_gather_uneven(t: torch.Tensor, dim: int, sizes: list[int], group: dist.P
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes, strict=True)], dim=dim)
 
 
-def gather_vocab(logits: torch.Tensor, tp: Group) -> torch.Tensor:
-    """The full ``(..., vocab)`` logits from every rank's slice (for the scorer's self-check only: small)."""
-    sizes = [torch.zeros((), dtype=torch.long, device=logits.device) for _ in range(tp.size)]
-    dist.all_gather(sizes, torch.tensor(logits.shape[-1], device=logits.device), group=tp.group)
-    return all_gather_uneven(logits, logits.dim() - 1, [int(s) for s in sizes], tp.group)
+def gather_vocab(t: torch.Tensor, tp: Group, dim: int = -1) -> torch.Tensor:
+    """The whole vocabulary from every rank's slice along ``dim`` (logits: the last; a head's weight: rows), for the
+    scorer's self-check and a saved head: once per run, not per step."""
+    dim = dim % t.dim()
+    sizes = [torch.zeros((), dtype=torch.long, device=t.device) for _ in range(tp.size)]
+    dist.all_gather(sizes, torch.tensor(t.shape[dim], device=t.device), group=tp.group)
+    return all_gather_uneven(t.contiguous(), dim, [int(s) for s in sizes], tp.group)
 
 
 def vocab_parallel_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor, start: int, tp: Group) -> torch.Tensor:
