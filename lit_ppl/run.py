@@ -30,6 +30,7 @@ from lit_ppl.parallel.ranks import RankFailure, first_line, peer_failure, rank
 from lit_ppl.parallel.strategies import join_launched_ranks
 from lit_ppl.preflight import Plan, preflight
 from lit_ppl.quant import apply as quantize
+from lit_ppl.quant.auto import POLICY_FILE, write_policy
 from lit_ppl.report import loggers
 from lit_ppl.report.progress import TokensPerSecondBar, set_verbose
 from lit_ppl.report.results import build_results, write_per_document
@@ -181,6 +182,9 @@ def write_outputs(plan: Plan, results: dict[str, Any], module: PerplexityModule)
     """Rank 0: ``results.json`` (atomically), the optional per-document table and plot, and the summary table."""
     out, report = plan.output_dir, plan.cfg.report
     path = write_json_atomic(out / "results.json", results)
+    auto = (results.get("quant") or {}).get("auto")
+    if auto:
+        print(f"quant=auto policy: {write_policy(out / POLICY_FILE, auto)}")
     if report.per_document and module.per_document is not None:
         table = write_per_document(out / f"per_document.{report.per_document}", *module.per_document)
         print(f"per-document table: {table}")

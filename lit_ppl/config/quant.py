@@ -13,6 +13,7 @@ from typing import Any
 
 from lit_ppl.config.fields import check_fields, typed_copy
 from lit_ppl.config.values import (
+    AUTO_SCHEMES,
     DATA_FORMATS,
     ENCODING_ERRORS,
     GROUP_SIZES,
@@ -92,6 +93,14 @@ class GptqConfig:
 
 
 @dataclass
+class BudgetConfig:
+    """``quant.budget``: what ``quant=auto`` may lose against the unquantized model on the calibration text (one)."""
+
+    kld: float | None = field(default=None, metadata=meta("mean KL divergence, nats"))
+    ppl_increase: float | None = field(default=None, metadata=meta("relative perplexity increase (0.01: +1%)"))
+
+
+@dataclass
 class RuleConfig:
     """One rule of ``quant.rules`` (``quant=policy``); only used to check a rule, which stays as written."""
 
@@ -111,7 +120,8 @@ class QuantConfig:
     """``quant``: weight quantization."""
 
     name: str = field(
-        default="none", metadata=meta("one scheme for every linear layer, or policy (rules)", choices=QUANT_NAMES)
+        default="none",
+        metadata=meta("one scheme for every linear layer, policy (rules), or auto (a budget)", choices=QUANT_NAMES),
     )
     method: str = field(
         default="rtn",
@@ -137,7 +147,15 @@ class QuantConfig:
         ),
     )
     calibration: CalibrationConfig = field(
-        default_factory=CalibrationConfig, metadata=meta("awq/gptq calibration text")
+        default_factory=CalibrationConfig, metadata=meta("awq/gptq/auto calibration text")
+    )
+    budget: BudgetConfig = field(default_factory=BudgetConfig, metadata=meta("auto: the loss allowed"))
+    sensitivity: str | None = field(
+        default=None, metadata=meta("auto: reuse the layer measurements of an earlier quant=auto run's results.json")
+    )
+    schemes: list[str] = field(
+        default_factory=lambda: list(AUTO_SCHEMES),
+        metadata=meta(f"auto: the schemes a layer may get, among {', '.join(AUTO_SCHEMES)}"),
     )
     gptq: GptqConfig = field(default_factory=GptqConfig, metadata=meta("GPTQ's options"))
 

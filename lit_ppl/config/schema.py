@@ -203,7 +203,7 @@ class ValidateConfig:
     )
     quant: QuantConfig = field(
         default_factory=QuantConfig,
-        metadata=meta("quant=none|int8|int8dq|int4|policy|awq|gptq", check=check_calibration),
+        metadata=meta("quant=none|int8|int8dq|int4|policy|awq|gptq|auto", check=check_calibration),
     )
     compare: CompareConfig = field(default_factory=CompareConfig, metadata=meta("compare=none|unquantized|saved"))
     save_reference: str | None = field(

@@ -25,7 +25,8 @@ EVAL_MODES = ("rolling", "sliding", "block", "llamacpp")  # lit_ppl.data.windows
 DATA_FORMATS = ("auto", "text", "json", "parquet")  # lit_ppl.data.sources.FORMATS
 ENCODING_ERRORS = ("strict", "replace", "ignore")  # lit_ppl.data.sources._ERRORS
 QUANT_SCHEMES = ("none", "int8", "int8dq", "int4")  # lit_ppl.quant.plan.SCHEMES: what one rule applies
-QUANT_NAMES = (*QUANT_SCHEMES, "policy")  # quant.name: one scheme for every layer, or per-module rules
+QUANT_NAMES = (*QUANT_SCHEMES, "policy", "auto")  # quant.name: one scheme, per-module rules, or chosen by a budget
+AUTO_SCHEMES = ("none", "int8", "int4")  # quant=auto: the schemes quant.schemes may list
 QUANT_METHODS = ("rtn", "awq", "gptq", "hqq")  # lit_ppl.quant.plan.METHODS
 QUANT_SOURCES = ("local", "rank0")  # lit_ppl.quant.plan.SOURCES
 INT4_BACKENDS = ("auto", "tinygemm", "prototype", "intx")  # lit_ppl.quant.plan.INT4_BACKENDS
@@ -225,9 +226,31 @@ def check_calibration(key: str, value: Any) -> None:
     The presets' ``quant.calibration.path: ???`` cannot say so: merged into the schema's ``null`` it stays null.
     """
     method = calibrated_method(value)
+    if value and value["name"] == "auto":
+        check_auto(key, value)
+        method = method or "auto"
     if method and not (value["calibration"] or {}).get("path"):
+        who = f"{key}=auto measures each layer on calibration text" if method == "auto" else f"{key}.method={method}"
+        raise ConfigError(f"{who} needs calibration text: set {key}.calibration.path=FILE (not the evaluated text)")
+
+
+def check_auto(key: str, value: dict[str, Any]) -> None:
+    """``quant=auto``: exactly one positive budget, and schemes among :data:`AUTO_SCHEMES`."""
+    budget = {k: v for k, v in (value.get("budget") or {}).items() if v is not None}
+    if len(budget) != 1:
         raise ConfigError(
-            f"{key}.method={method} needs calibration text: set {key}.calibration.path=FILE (not the evaluated text)"
+            f"{key}=auto needs exactly one budget: {key}.budget.kld=X (mean KL divergence from the unquantized "
+            f"model) or {key}.budget.ppl_increase=X (0.01: +1%); got {budget or 'none'}"
+        )
+    ((name, limit),) = budget.items()
+    if not limit > 0:
+        raise ConfigError(f"{key}.budget.{name}={limit!r} must be a positive number")
+    schemes = list(value.get("schemes") or [])
+    bad = [s for s in schemes if s not in AUTO_SCHEMES]
+    if bad or not schemes or len(set(schemes)) != len(schemes) or schemes == ["none"]:
+        raise ConfigError(
+            f"{key}.schemes={schemes!r} must list distinct schemes among {', '.join(AUTO_SCHEMES)}, "
+            "at least one of them quantized"
         )
 
 

@@ -56,6 +56,7 @@ class QuantReport:
     calibration: dict[str, Any] | None = (
         None  # calibrated methods: the text, its tokens, the time (lit_ppl.quant.calibration)
     )
+    auto: dict[str, Any] | None = None  # quant=auto: budget, sensitivities, the choice (lit_ppl.quant.auto)
 
     @property
     def quantized_modules(self) -> int:
@@ -93,6 +94,7 @@ class QuantReport:
             "modules": self.modules,
             "consistency": self.consistency,
             "calibration": self.calibration,
+            **({"auto": self.auto} if self.auto is not None else {}),
         }
 
 
@@ -106,6 +108,10 @@ def quantize_model(lm: nn.Module, cfg: dict[str, Any], calibration: Any = None, 
     report = QuantReport(name=cfg["name"], source=cfg["source"])
     report.weight_bytes_before = sum(tensor_bytes(p) for _, p in lm.named_parameters())
     report.converted = to_plain_linear(lm)
+    if cfg["name"] == "auto":  # measured, then applied as the policy it chose
+        from lit_ppl.quant.auto import choose_policy
+
+        cfg, report.auto = choose_policy(lm, cfg, calibration, *world())
     todo, report.modules, targets = plan(lm, rules_from_cfg(cfg), cfg["backend"], cfg["group_fallback"])
     _check_planned(lm, report, todo, targets)
     before = {n: tensor_bytes(t.weight(lm)) for n, t in targets.items()}
@@ -299,8 +305,9 @@ def build(
     cfg = quant_node(cfg)
     if cfg["name"] == "none":
         return None
-    rules_from_cfg(cfg)  # a bad rule fails now
-    method = calibrated_method(cfg)
+    if cfg["name"] != "auto":
+        rules_from_cfg(cfg)  # a bad rule fails now
+    method = calibrated_method(cfg) or ("auto" if cfg["name"] == "auto" else None)
     if method is None:
         return lambda lm, tp=1: quantize_model(lm, cfg, tp=tp)
     from lit_ppl.quant.calibration import Calibration, CalibrationSpec, prepare_calibration
@@ -319,9 +326,10 @@ def check_layout(cfg: dict[str, Any], layout: Any) -> None:
     if cfg["name"] == "none" or not layout.sharded:
         return
     method = calibrated_method(cfg)
-    if method is not None:
+    if method is not None or cfg["name"] == "auto":
+        what = "quant=auto" if cfg["name"] == "auto" else f"quant.method={method}"
         raise LitPplError(
-            f"quant.method={method} with strategy layout {layout.kind}: calibration runs whole layers on every rank; "
+            f"{what} with strategy layout {layout.kind}: calibration runs whole layers on every rank; "
             "evaluate calibrated quantization with strategy=ddp (each rank holds the model)"
         )
     if cfg["source"] == "rank0":

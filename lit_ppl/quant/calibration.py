@@ -153,15 +153,24 @@ class Calibration:
 
     def batch(self, ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids (b, t), real (b, t) bool)``, right-padded: a causal model's real positions never see padding."""
+        input_ids, real = self._rows(ids, 0)
+        return torch.from_numpy(input_ids).to(device), torch.from_numpy(real).to(device)
+
+    def targets(self, ids: list[int], device: torch.device) -> torch.Tensor:
+        """``(b, t)`` the token after each input position of :meth:`batch` (0 at padding): every input has one,
+        since the windows end before the text's last token."""
+        return torch.from_numpy(self._rows(ids, 1)[0]).to(device)
+
+    def _rows(self, ids: list[int], shift: int) -> tuple[np.ndarray, np.ndarray]:
         w = self.windows
         width = int(max(w.end[i] - w.start[i] for i in ids))
-        input_ids = np.zeros((len(ids), width), np.int64)
+        tokens = np.zeros((len(ids), width), np.int64)
         real = np.zeros((len(ids), width), bool)
         for row, i in enumerate(ids):
             n = int(w.end[i] - w.start[i])
-            input_ids[row, :n] = self.corpus.tokens[int(w.start[i]) : int(w.end[i])]
+            tokens[row, :n] = self.corpus.tokens[int(w.start[i]) + shift : int(w.end[i]) + shift]
             real[row, :n] = True
-        return torch.from_numpy(input_ids).to(device), torch.from_numpy(real).to(device)
+        return tokens, real
 
     def describe(self) -> dict[str, Any]:
         """For ``results.json`` → ``quant.calibration``."""

@@ -104,16 +104,21 @@ def quantize_layers(
     chosen: dict[str, dict[str, Any]] = {}
     for name, (config, torchao) in configs.items():
         mod = lm.get_submodule(name)
-        st = hessians[name]
-        facts: dict[str, Any] = {"gptq_tokens": int(st["count"])}
-        if torchao:
-            weight = gptq_weight(st["xtx"], int(st["count"]), mod.weight, config)
-        else:
-            weight, more = gptq_tensor(st["xtx"], mod.weight, config, opts)
-            facts.update(more)
+        weight, chosen[name] = layer_gptq(hessians[name], mod.weight, config, torchao, opts)
         mod.weight = nn.Parameter(weight, requires_grad=False)
-        chosen[name] = facts
     return chosen
+
+
+def layer_gptq(
+    st: dict[str, torch.Tensor], weight: torch.Tensor, config: Any, torchao: bool, opts: GptqOptions
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One layer's GPTQ tensor from its reduced statistics ``st`` (``xtx``, ``count``), by torchao's CUDA GPTQ or
+    lit-ppl's solver, and the facts for the report."""
+    facts: dict[str, Any] = {"gptq_tokens": int(st["count"])}
+    if torchao:
+        return gptq_weight(st["xtx"], int(st["count"]), weight, config), facts
+    tensor, more = gptq_tensor(st["xtx"], weight, config, opts)
+    return tensor, {**facts, **more}
 
 
 def blocks(lm: nn.Module, names: list[str]) -> list[tuple[nn.Module | None, list[str]]]:

@@ -1,0 +1,481 @@
+"""``quant=auto``: precision per layer, chosen by measured sensitivity under a budget.
+
+1. Every quantizable layer's candidates: its weight under each scheme of ``quant.schemes`` (int4 by
+   ``quant.method``, with the group fallback; int8 by round-to-nearest), the calibrated ones from statistics
+   reduced over the ranks like AWQ's and GPTQ's (:class:`Candidates`).
+2. Each candidate measured alone on the calibration text: the mean KL divergence from the float model and the
+   change in mean NLL (:class:`lit_ppl.quant.sensitivity.Probe`), summed over the ranks in float64 with one
+   ``all_reduce``, so every rank holds the same numbers and makes the same choice.
+3. The assignment with the fewest weight bytes whose summed cost stays within the budget: a multiple-choice
+   knapsack solved by dynamic programming over the budget in :data:`BINS` steps, each cost rounded up, so the
+   prediction never exceeds the budget (:func:`cheapest`).
+4. The assignment measured as a whole on the calibration text; interactions make that differ from the sum, so
+   while it exceeds the budget the search target shrinks by the ratio and the knapsack runs again (at most
+   :data:`ROUNDS` times).
+
+The choice becomes ``quant=policy`` rules, one per layer (written next to ``results.json`` as
+``quant_policy.yaml``), applied by :func:`lit_ppl.quant.apply.quantize_model` like any policy.
+
+Bytes are the weights as the scheme stores them packed: full precision in its dtype, int8 one byte per weight
+plus a scale per row, int4 half a byte plus a scale and a zero point per group (in the weight's dtype); the
+intx int4 backend holds one code per byte in memory, which ``results.json``'s ``weight_bytes_after`` shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lit_ppl.config.values import check_auto
+from lit_ppl.errors import LitPplError
+from lit_ppl.model.nll import auto_chunk
+from lit_ppl.quant.calibration import Calibration, all_reduce
+from lit_ppl.quant.plan import Scheme, gptq_config, plan, rules_from_cfg, torchao_config
+from lit_ppl.quant.sensitivity import Probe, block_of
+from lit_ppl.runtime.memory import tensor_bytes
+
+log = logging.getLogger(__name__)
+
+BINS = 4000  # the budget's resolution in the knapsack: a cost is rounded up by at most budget / BINS
+ROUNDS = 6  # whole-assignment measurements before giving up on a shrinking target
+SHRINK = 0.95  # the next target is this times budget / measured (below the plain ratio: interactions add up)
+CHUNK_BUDGET_MB = 256  # float64 statistics per chunk of positions, as eval.chunk_budget_mb
+
+
+@dataclass(frozen=True)
+class Budget:
+    """``quant.budget``: ``metric`` is ``kld`` (mean KL divergence, nats) or ``ppl_increase``, the relative change
+    of perplexity either way, ``|PPL(Q) / PPL(base) − 1|``: a quantization that lowers the calibration text's
+    perplexity has still changed the model, and on other text need not lower it."""
+
+    metric: str
+    value: float
+
+    @classmethod
+    def from_node(cls, quant: dict[str, Any]) -> Budget:
+        """The one budget of a whole ``quant`` node (checked as the config check does, for callers of the API)."""
+        check_auto("quant", quant)
+        ((metric, value),) = ((k, v) for k, v in quant["budget"].items() if v is not None)
+        return cls(metric, float(value))
+
+    @property
+    def limit(self) -> float:
+        """The budget in cost units: mean KLD, or the mean NLL change in nats (``|ΔNLL| ≤ log1p(b)`` bounds the
+        perplexity ratio within ``[1 − b, 1 + b]``)."""
+        return self.value if self.metric == "kld" else math.log1p(self.value)
+
+    def cost(self, sums: torch.Tensor) -> float:
+        """A measurement's cost from its summed ``(KLD, NLL, NLL of the float model, tokens)``."""
+        kld, nll, nll_base, tokens = (float(x) for x in sums)
+        return kld / tokens if self.metric == "kld" else abs(nll - nll_base) / tokens
+
+    def shown(self, cost: float) -> float:
+        """A cost in the budget's own terms (``ppl_increase``: ``exp(|ΔNLL|) − 1``)."""
+        return cost if self.metric == "kld" else math.expm1(cost)
+
+
+def packed_bytes(scheme: Scheme, weight: torch.Tensor) -> int:
+    """The bytes of ``weight`` under ``scheme`` as stored packed (module docstring)."""
+    numel, size = weight.numel(), weight.element_size()
+    if scheme.kind == "none":
+        return tensor_bytes(weight)
+    rows = numel // weight.shape[-1]
+    if scheme.kind in ("int8", "int8dq"):
+        return numel + rows * size
+    return numel // 2 + 2 * (numel // scheme.group_size) * size
+
+
+class Candidates:
+    """Per layer and scheme of ``kinds``, what the layer would hold: built when asked (one layer at a time in
+    memory) from the plan of the uniform scheme and, for AWQ and GPTQ, statistics of the float model."""
+
+    def __init__(
+        self, lm: nn.Module, cfg: dict[str, Any], kinds: list[str], calibration: Calibration, at: tuple[int, int]
+    ) -> None:
+        from lit_ppl.quant.gptq_solver import GptqOptions
+
+        self.lm, self.opts = lm, GptqOptions.from_cfg(cfg["gptq"])
+        self.choices: dict[str, dict[str, tuple[Scheme, str | None, str]]] = {}  # kind -> layer -> plan
+        self.entries: dict[str, dict[str, Any]] = {}  # layer -> the int4 plan's report entry (adaptations)
+        for kind in kinds:
+            method = cfg["method"] if kind == "int4" else "rtn"
+            todo, entries, targets = plan(
+                lm, rules_from_cfg({**cfg, "name": kind, "method": method}), cfg["backend"], cfg["group_fallback"]
+            )
+            experts = sorted(n for n in todo if targets[n].kind != "linear")
+            if experts:
+                raise LitPplError(
+                    f"quant=auto measures linear layers; {experts[0]} is {targets[experts[0]].kind} weights: "
+                    "quantize them with a quant=policy rule"
+                )
+            self.choices[kind] = todo
+            if kind == "int4":
+                self.entries = entries
+        awq = {n: torchao_config(s, k)[0] for n, (s, k, m) in self.choices.get("int4", {}).items() if m == "awq"}
+        gptq = {n: gptq_config(s, k) for n, (s, k, m) in self.choices.get("int4", {}).items() if m == "gptq"}
+        self.awq: dict[str, dict[str, torch.Tensor]] = {}
+        self.gptq: dict[str, dict[str, torch.Tensor]] = {}
+        self.gptq_configs = gptq
+        if awq:
+            from lit_ppl.quant.awq import awq_statistics
+
+            self.awq = awq_statistics(lm, awq, calibration, *at)
+        if gptq:
+            from lit_ppl.quant.gptq import gptq_hessians
+
+            self.gptq = gptq_hessians(lm, sorted(gptq), calibration, *at)
+
+    @property
+    def layers(self) -> list[str]:
+        """Every layer some scheme can take, in forward order."""
+        order = {n: i for i, (n, _) in enumerate(self.lm.named_modules())}
+        return sorted({n for todo in self.choices.values() for n in todo}, key=order.__getitem__)
+
+    def scheme(self, name: str, kind: str) -> tuple[Scheme, str] | None:
+        """The scheme (group size fitted) and method ``kind`` gives ``name``, or ``None`` if it cannot take it."""
+        chosen = self.choices[kind].get(name)
+        return None if chosen is None else (chosen[0], chosen[2])
+
+    def weight(self, name: str, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(quantized weight, input pre-scale or None)`` of ``name`` under ``kind``."""
+        from lit_ppl.quant.awq import quantize_weight
+
+        scheme, kernel, method = self.choices[kind][name]
+        weight = self.lm.get_submodule(name).weight.detach()
+        if method == "awq":
+            st = self.awq[name]
+            s = st["scales"][int(torch.argmin(st["errors"]))]  # the first minimum, as apply_awq takes
+            return quantize_weight(weight * s, torchao_config(scheme, kernel)[0]), 1.0 / s
+        if method == "gptq":
+            from lit_ppl.quant.gptq import layer_gptq
+
+            config, torchao = self.gptq_configs[name]
+            return layer_gptq(self.gptq[name], weight, config, torchao, self.opts)[0], None
+        return quantize_weight(weight, torchao_config(scheme, kernel, method)[0]), None
+
+
+@contextmanager
+def installed(lm: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> Iterator[None]:
+    """The model with these layers' weights (and AWQ input pre-scales) swapped in, restored on exit."""
+    saved, handles = {}, []
+    try:
+        for name, (weight, pre) in weights.items():
+            module = lm.get_submodule(name)
+            saved[name] = module.weight
+            module.weight = nn.Parameter(weight, requires_grad=False)
+            if pre is not None:
+                handles.append(module.register_forward_pre_hook(lambda _, a, s=pre: (a[0] * s, *a[1:])))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for name, weight in saved.items():
+            lm.get_submodule(name).weight = weight
+
+
+def cheapest(options: list[list[tuple[int, float]]], limit: float, bins: int = BINS) -> list[int] | None:
+    """Per unit the index of its ``(bytes, cost)`` option, fewest bytes in all with summed cost ≤ ``limit``
+    (costs rounded up to ``limit / bins``), or ``None`` if no choice fits."""
+
+    def steps(cost: float) -> int:  # rounded up; past the budget: bins + 1
+        return 0 if cost <= 0 else min(math.ceil(cost / limit * bins), bins + 1)
+
+    weights = [[steps(c) for _, c in unit] for unit in options]
+    best = np.full(bins + 1, np.inf)  # fewest bytes at exactly c steps of cost
+    best[0] = 0.0
+    picks = np.zeros((len(options), bins + 1), dtype=np.int16)
+    for i, unit in enumerate(options):
+        new = np.full(bins + 1, np.inf)
+        for j, ((size, _), w) in enumerate(zip(unit, weights[i], strict=True)):
+            if w > bins:
+                continue
+            shifted = np.full(bins + 1, np.inf)
+            shifted[w:] = best[: bins + 1 - w] + size
+            better = shifted < new
+            new[better], picks[i, better] = shifted[better], j
+        best = new
+    if not np.isfinite(best).any():
+        return None
+    c, chosen = int(np.argmin(best)), []
+    for i in reversed(range(len(options))):
+        j = int(picks[i, c])
+        chosen.append(j)
+        c -= weights[i][j]
+    return chosen[::-1]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One scheme for one layer: its packed bytes and, measured alone, its mean KLD and mean NLL change."""
+
+    kind: str  # "none" or a scheme of quant.schemes
+    bytes: int
+    kld: float = 0.0
+    nll_delta: float = 0.0
+
+    def cost(self, budget: Budget) -> float:
+        # |ΔNLL|: a layer that lowers the NLL alone is no credit against another's loss (Budget).
+        return self.kld if budget.metric == "kld" else abs(self.nll_delta)
+
+
+Table = dict[str, dict[str, dict[str, float]]]  # layer -> scheme -> {"kld", "nll_delta"}
+
+
+def measure_layers(
+    lm: nn.Module, candidates: Candidates, probe: Probe, kinds: list[str], world_size: int
+) -> tuple[Table, int]:
+    """Every candidate alone against the float model: ``{layer: {scheme: {kld, nll_delta}}}`` (means over the
+    calibration tokens of every rank) and the number of passes."""
+    layers = candidates.layers
+    local = torch.zeros(len(layers), len(kinds), 4, dtype=torch.float64)
+    passes = 0
+    for u, name in enumerate(layers):
+        where = block_of(name)
+        if where is not None:
+            probe.advance(where[1])  # with float weights: the kept block inputs are the float model's
+        for j, kind in enumerate(kinds):
+            if candidates.scheme(name, kind) is not None:
+                with installed(lm, {name: candidates.weight(name, kind)}):
+                    local[u, j] = probe.measure(where[1] if where else None)
+                passes += 1
+    sums = all_reduce(local.to(next(lm.parameters()).device), world_size).cpu()
+    table = {
+        name: {
+            kind: {
+                "kld": float(sums[u, j, 0] / sums[u, j, 3]),
+                "nll_delta": float((sums[u, j, 1] - sums[u, j, 2]) / sums[u, j, 3]),
+            }
+            for j, kind in enumerate(kinds)
+            if candidates.scheme(name, kind) is not None
+        }
+        for u, name in enumerate(layers)
+    }
+    return table, passes
+
+
+def load_table(path: str, fingerprint: dict[str, Any]) -> Table:
+    """The sensitivities of an earlier ``quant=auto`` run (its ``results.json`` or directory), if they were measured
+    for this model, calibration text and schemes (``fingerprint``), else one line saying what differs."""
+    import json
+
+    file = Path(path).expanduser()
+    file = file / "results.json" if file.is_dir() else file
+    try:
+        auto = json.loads(file.read_text())["quant"]["auto"]
+        theirs, table = auto["fingerprint"], auto["sensitivity"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise LitPplError(
+            f"quant.sensitivity={path!r} is not the results.json of a quant=auto run ({type(err).__name__}: {err})"
+        ) from None
+    for key, mine in fingerprint.items():
+        other = theirs.get(key)
+        same = math.isclose(mine, other, rel_tol=1e-9) if key == "nll" and other is not None else mine == other
+        if not same:
+            raise LitPplError(
+                f"quant.sensitivity={path!r} was measured with {key}={other!r}, this run has {mine!r}: measure again "
+                "(quant.sensitivity=null)"
+            )
+    return table
+
+
+def unit_options(
+    lm: nn.Module, candidates: Candidates, kinds: list[str], table: Table, keep_none: bool
+) -> list[list[Option]]:
+    """Per layer, the options the knapsack chooses among (full precision first, if ``quant.schemes`` has it)."""
+    out = []
+    for name in candidates.layers:
+        weight = lm.get_submodule(name).weight
+        unit = [Option("none", packed_bytes(Scheme("none"), weight))]
+        for kind in kinds:
+            chosen = candidates.scheme(name, kind)
+            if chosen is not None:
+                unit.append(Option(kind, packed_bytes(chosen[0], weight), **table.get(name, {}).get(kind, {})))
+        out.append(unit[1:] if not keep_none and len(unit) > 1 else unit)
+    return out
+
+
+def choose_policy(
+    lm: nn.Module, cfg: dict[str, Any], calibration: Calibration, rank: int, world_size: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``quant=policy`` node that holds the fewest bytes within ``cfg``'s budget, and the facts for
+    ``results.json`` (``quant.auto``)."""
+    t0 = time.perf_counter()
+    budget = Budget.from_node(cfg)
+    kinds = [k for k in cfg["schemes"] if k != "none"]
+    if cfg["gptq"]["sequential"]:
+        raise LitPplError(
+            "quant=auto with quant.gptq.sequential=true: each layer is measured alone, on the float model's inputs; "
+            "use quant.gptq.sequential=false"
+        )
+    candidates = Candidates(lm, cfg, kinds, calibration, (rank, world_size))
+    layers = candidates.layers
+    if not layers:
+        raise LitPplError(f"quant=auto finds no linear layer that {', '.join(kinds)} can take in {type(lm).__name__}")
+    lists = {b[0] for b in map(block_of, layers) if b is not None}
+    chunk = auto_chunk("auto", lm.get_output_embeddings().weight.shape[0], CHUNK_BUDGET_MB, "compare")
+    probe = Probe(lm, calibration, rank, world_size, chunk, lists.pop() if len(lists) == 1 else None)
+    device = next(lm.parameters()).device
+
+    def measured(quantized: dict[str, str]) -> tuple[float, torch.Tensor]:
+        """The budget's cost of these layers quantized together, on every rank's calibration tokens."""
+        with installed(lm, {n: candidates.weight(n, k) for n, k in quantized.items()}):
+            sums = all_reduce(probe.measure().to(device), world_size).cpu()
+        return budget.cost(sums), sums
+
+    _, base = measured({})
+    fingerprint = {
+        "schemes": list(cfg["schemes"]),
+        "method": cfg["method"],
+        "group_size": cfg["group_size"],
+        "layers": layers,
+        "tokens": int(base[3]),
+        "nll": float(base[2] / base[3]),  # the float model's mean NLL on the calibration text: model, text, dtype
+    }
+    t1 = time.perf_counter()
+    keep_none = "none" in cfg["schemes"]
+    table, passes = {}, 0
+    if not any(len(u) > 1 for u in unit_options(lm, candidates, kinds, table, keep_none)):
+        pass  # one option per layer (e.g. quant.schemes=[int8]): nothing to choose, only the whole to measure
+    elif cfg["sensitivity"]:
+        table = load_table(cfg["sensitivity"], fingerprint)
+    else:
+        table, passes = measure_layers(lm, candidates, probe, kinds, world_size)
+    t2 = time.perf_counter()
+    options = unit_options(lm, candidates, kinds, table, keep_none)
+    floor = sum(min(o.cost(budget) for o in unit) for unit in options)
+    if floor > budget.limit:
+        raise LitPplError(
+            f"quant.budget.{budget.metric}={budget.value:g} cannot be met with quant.schemes={list(cfg['schemes'])}: "
+            f"the least reachable on the calibration text is {budget.shown(floor):.4g} (predicted); raise the budget "
+            "or add none to quant.schemes"
+        )
+    rounds, target, chosen, tried = [], budget.limit, None, set()
+    for _ in range(ROUNDS):
+        picks = cheapest([[(o.bytes, o.cost(budget)) for o in unit] for unit in options], target)
+        if picks is None or tuple(picks) in tried:  # nothing fits a smaller target, or no other choice
+            break
+        tried.add(tuple(picks))
+        picked = {n: options[u][j] for u, (n, j) in enumerate(zip(layers, picks, strict=True))}
+        cost, _ = measured({n: o.kind for n, o in picked.items() if o.kind != "none"})
+        predicted = sum(o.cost(budget) for o in picked.values())
+        size = sum(o.bytes for o in picked.values())
+        shown = {"predicted": budget.shown(predicted), "measured": budget.shown(cost), "bytes": size}
+        rounds.append({"target": budget.shown(target), **shown})
+        if cost <= budget.limit:
+            chosen = picked
+            break
+        target *= SHRINK * budget.limit / cost
+    if chosen is None:
+        best = min(r["measured"] for r in rounds)
+        raise LitPplError(
+            f"quant.budget.{budget.metric}={budget.value:g} is not met on the calibration text: the best reachable "
+            f"with quant.schemes={list(cfg['schemes'])} is {best:.4g} (measured, {len(rounds)} assignments tried); "
+            "raise the budget"
+        )
+    quantized = {n: candidates.scheme(n, o.kind) for n, o in chosen.items() if o.kind != "none"}
+    if not quantized:
+        least, where = min(
+            (o.cost(budget), f"{o.kind} on {n}")
+            for n, u in zip(layers, options, strict=True)
+            for o in u
+            if o.kind != "none"
+        )
+        raise LitPplError(
+            f"quant.budget.{budget.metric}={budget.value:g} leaves every layer in full precision: the smallest "
+            f"change one quantized layer makes on the calibration text is {budget.shown(least):.4g} ({where}); "
+            "raise the budget, or use quant=none"
+        )
+    by_scheme: dict[str, dict[str, int]] = {}
+    for name, option in chosen.items():
+        label = quantized[name][0].label if name in quantized else "none"
+        entry = by_scheme.setdefault(label, {"layers": 0, "bytes": 0})
+        entry["layers"], entry["bytes"] = entry["layers"] + 1, entry["bytes"] + option.bytes
+    full = sum(unit[0].bytes for unit in unit_options(lm, candidates, [], table, True))
+    uniform = {k: sum(next((o.bytes for o in u if o.kind == k), u[0].bytes) for u in options) for k in kinds}
+    policy = policy_node(cfg, quantized)
+    info = {
+        "budget": {budget.metric: budget.value},
+        "predicted": rounds[-1]["predicted"] if table else None,  # nothing measured alone: nothing predicted
+        "measured_calibration": rounds[-1]["measured"],
+        "bytes": rounds[-1]["bytes"],
+        "bytes_full_precision": full,
+        "bytes_uniform": uniform,  # every layer the scheme takes; the rest in full precision
+        "by_scheme": by_scheme,
+        "rounds": rounds,
+        "choice": {name: option.kind for name, option in chosen.items()},
+        "calibration_tokens": fingerprint["tokens"],
+        "fingerprint": fingerprint,
+        "sensitivity_from": cfg["sensitivity"],
+        "measurement": {
+            "passes": passes,
+            "replayed_blocks": probe.replay,
+            "seconds_candidates": t1 - t0,
+            "seconds_layers": t2 - t1,
+            "seconds": time.perf_counter() - t0,
+        },
+        "sensitivity": table,
+        "policy": policy,
+    }
+    predicted = "" if info["predicted"] is None else f", predicted {info['predicted']:.4g}"
+    log.warning(
+        "quant=auto: %s within %s=%g (measured %.4g on the calibration text%s): %d of %d bytes",
+        ", ".join(f"{v['layers']} {k}" for k, v in by_scheme.items()),
+        budget.metric,
+        budget.value,
+        info["measured_calibration"],
+        predicted,
+        info["bytes"],
+        full,
+    )
+    return {**cfg, "name": "policy", "rules": policy["rules"]}, info
+
+
+def policy_node(cfg: dict[str, Any], chosen: dict[str, tuple[Scheme, str]]) -> dict[str, Any]:
+    """The chosen assignment as a ``quant=policy`` node: one rule per quantized layer (full precision: no rule)."""
+    rules = []
+    for name, (scheme, method) in chosen.items():
+        rule: dict[str, Any] = {"match": f"^{re.escape(name)}$", "config": scheme.kind}
+        if scheme.kind == "int4":
+            rule["group_size"] = scheme.group_size
+        rule["method"] = method
+        rules.append(rule)
+    node = {k: cfg[k] for k in ("method", "group_size", "backend", "source")}
+    calibrated = {r["method"] for r in rules} & {"awq", "gptq"}
+    if calibrated:
+        node["calibration"] = dict(cfg["calibration"])
+    if "gptq" in calibrated:
+        node["gptq"] = dict(cfg["gptq"])
+    return {"name": "policy", **node, "group_fallback": False, "rules": rules}
+
+
+POLICY_FILE = "quant_policy.yaml"  # next to results.json
+
+
+def write_policy(path: Path, auto: dict[str, Any]) -> Path:
+    """The chosen policy as a ``quant`` config file: with it at ``DIR/quant/NAME.yaml``,
+    ``hydra.searchpath=[file://DIR] quant=NAME`` evaluates the same quantization without measuring again."""
+    import yaml
+
+    from lit_ppl.runtime.files import write_text_atomic
+
+    ((metric, value),) = auto["budget"].items()
+    predicted = "" if auto["predicted"] is None else f" (predicted {auto['predicted']:.4g})"
+    header = (
+        f"# quant=auto: {metric} budget {value:g}; measured {auto['measured_calibration']:.4g} on "
+        f"{auto['calibration_tokens']} calibration tokens{predicted};\n"
+        f"# {auto['bytes']} weight bytes of {auto['bytes_full_precision']} in full precision. "
+        "Layers no rule matches stay in full precision.\n"
+    )
+    body = yaml.safe_dump(auto["policy"], sort_keys=False, default_flow_style=None, width=200)
+    return write_text_atomic(path, header + body)

@@ -1,0 +1,184 @@
+"""quant=auto on the real stories260K: per-layer measurements, the cheapest assignment within a budget, held-out text.
+
+Calibration (and measurement) text is Shakespeare; the evaluated text is TinyStories, never measured on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import re
+import shutil
+
+import pytest
+from conftest import STORIES, TINYSTORIES, require_shared, run_entry
+
+from lit_ppl.config.quant import quant_node
+from lit_ppl.config.values import ConfigError, check_calibration
+from lit_ppl.errors import LitPplError
+from lit_ppl.quant.auto import POLICY_FILE, cheapest
+
+SHAKESPEARE = STORIES.parent / "tinyshakespeare.txt"
+SMALL = {"tokens": 1024, "seq_len": 256, "batch_size": 2, "grid": 5}
+
+
+def auto_args(cache, *extra: str) -> list[str]:
+    """An auto run of stories260K on TinyStories, measured on Shakespeare (int4 by AWQ, g32: 64 and 256 divide)."""
+    return [
+        "model=hf",
+        f"model.path={STORIES}",
+        "data=text",
+        f"data.path={TINYSTORIES}",
+        "trainer=cpu",
+        "eval.seq_len=256",
+        "compare=unquantized",
+        "report.plots=false",
+        "quant=auto",
+        "quant.group_size=32",
+        f"quant.calibration.path={SHAKESPEARE}",
+        f"quant.calibration.cache_dir={cache}",
+        *(f"quant.calibration.{k}={v}" for k, v in SMALL.items()),
+        *extra,
+    ]
+
+
+def test_auto_meets_its_budget_on_held_out_text_with_fewer_bytes_than_uniform_int8(compose, tmp_path):
+    """A budget above uniform int8's KLD: fewer packed bytes than int8 everywhere, the budget met on the calibration
+    text and on TinyStories, the prediction within it; the written policy and the reused measurements reproduce it."""
+    from lit_ppl.run import evaluate
+
+    require_shared()
+    int8 = evaluate(
+        compose(*auto_args(tmp_path, "quant.schemes=[int8]", "quant.budget.kld=100", f"output_dir={tmp_path / 'int8'}"))
+    )
+    uniform = int8["quant"]["auto"]
+    assert uniform["by_scheme"] == {"int8": {"layers": 35, "bytes": uniform["bytes_uniform"]["int8"]}}
+    assert uniform["measurement"]["passes"] == 0 and uniform["predicted"] is None  # nothing to choose
+
+    budget = 3 * uniform["measured_calibration"]
+    args = auto_args(tmp_path, f"quant.budget.kld={budget}", f"output_dir={tmp_path / 'auto'}")
+    r = evaluate(compose(*args))
+    auto = r["quant"]["auto"]
+    assert auto["bytes"] < uniform["bytes"] == auto["bytes_uniform"]["int8"]
+    assert auto["predicted"] <= budget and auto["measured_calibration"] <= budget
+    assert r["compare"]["kld_mean"] <= budget  # text it was not measured on
+    assert auto["by_scheme"]["int4-g32"]["layers"] > 0
+    assert sum(v["layers"] for v in auto["by_scheme"].values()) == 35 and auto["calibration_tokens"] == SMALL["tokens"]
+    assert auto["measurement"] == auto["measurement"] | {"passes": 65, "replayed_blocks": True}  # 35 int8 + 30 int4
+    rules = auto["policy"]["rules"]
+    assert r["quant"]["quantized_modules"] == len(rules) == 35 - auto["by_scheme"].get("none", {"layers": 0})["layers"]
+    for name, entry in r["quant"]["modules"].items():  # what was applied is what was chosen
+        assert (entry["config"] or "none") == {"int8": "int8", "int4": "int4-g32"}.get(auto["choice"].get(name), "none")
+
+    # The policy file, as a config group option of its own: the same weights, no measurement.
+    conf = tmp_path / "conf" / "quant"
+    conf.mkdir(parents=True)
+    shutil.copy(tmp_path / "auto" / POLICY_FILE, conf / "chosen.yaml")
+    again = [a for a in args if not a.startswith(("quant.", "quant=", "output_dir"))]
+    proc, reused = run_entry([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", *again, "quant=chosen"], tmp_path / "p")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert reused["quant"]["name"] == "policy" and "auto" not in reused["quant"]
+    assert reused["quant"]["consistency"]["digest"] == r["quant"]["consistency"]["digest"]
+    assert reused["ppl"] == r["ppl"]
+
+    # Another budget from the same measurements: no layer measured again, a cheaper choice.
+    reuse = [f"quant.sensitivity={tmp_path / 'auto'}", f"output_dir={tmp_path / 'looser'}"]
+    looser = evaluate(compose(*auto_args(tmp_path, f"quant.budget.kld={4 * budget}", *reuse)))
+    assert looser["quant"]["auto"]["measurement"]["passes"] == 0
+    assert looser["quant"]["auto"]["sensitivity"] == auto["sensitivity"]
+    assert looser["quant"]["auto"]["bytes"] < auto["bytes"]
+    # Measurements of another int4 group size are refused in one line.
+    with pytest.raises(LitPplError, match=r"was measured with group_size=32, this run has 64: measure again"):
+        evaluate(
+            compose(
+                *auto_args(
+                    tmp_path, "quant.budget.kld=0.1", reuse[0], "quant.group_size=64", f"output_dir={tmp_path / 'g64'}"
+                )
+            )
+        )
+
+
+def test_a_budget_nothing_quantized_meets_says_the_best_reachable_value(compose, tmp_path):
+    from lit_ppl.run import evaluate
+
+    require_shared()
+    with pytest.raises(LitPplError) as err:  # every layer int4: one assignment, measured above the budget
+        evaluate(
+            compose(
+                *auto_args(tmp_path, "quant.schemes=[int4]", "quant.budget.kld=1e-6", f"output_dir={tmp_path / 'a'}")
+            )
+        )
+    line = str(err.value)
+    assert "\n" not in line
+    assert re.match(
+        r"quant\.budget\.kld=1e-06 is not met on the calibration text: the best reachable with "
+        r"quant\.schemes=\['int4'\] is 0\.\d+ \(measured, 1 assignments tried\); raise the budget$",
+        line,
+    ), line
+    with pytest.raises(LitPplError) as err:  # smaller than any one layer's change: full precision is all it allows
+        evaluate(compose(*auto_args(tmp_path, "quant.budget.ppl_increase=1e-12", f"output_dir={tmp_path / 'b'}")))
+    assert re.match(
+        r"quant\.budget\.ppl_increase=1e-12 leaves every layer in full precision: the smallest change one "
+        r"quantized layer makes on the calibration text is \d",
+        str(err.value),
+    ), str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("node", "message"),
+    [
+        ({}, "quant=auto needs exactly one budget: quant.budget.kld=X"),
+        ({"budget": {"kld": 0.1, "ppl_increase": 0.01}}, "quant=auto needs exactly one budget"),
+        ({"budget": {"kld": -0.1}}, "quant.budget.kld=-0.1 must be a positive number"),
+        ({"budget": {"kld": 0.1}, "schemes": ["int8", "int3"]}, "quant.schemes=['int8', 'int3'] must list distinct"),
+        ({"budget": {"kld": 0.1}, "schemes": ["none"]}, "at least one of them quantized"),
+        ({"budget": {"kld": 0.1}, "calibration": {"path": None}}, "quant=auto measures each layer on calibration text"),
+    ],
+)
+def test_bad_auto_configs_are_one_line(node, message):
+    calibration = {"path": "x.txt"} | node.pop("calibration", {})
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_calibration("quant", quant_node({"name": "auto", "calibration": calibration, **node}))
+
+
+def test_the_knapsack_finds_the_fewest_bytes_within_the_budget():
+    """Against brute force on random instances: never over the budget, never more bytes than the best assignment
+    whose costs, rounded up to the budget's steps, fit."""
+    rng = random.Random(0)
+    for _ in range(200):
+        units = [
+            [(rng.randint(1, 100), rng.random() * rng.choice([0.0, 1.0])) for _ in range(rng.randint(1, 3))]
+            for _ in range(rng.randint(1, 5))
+        ]
+        limit, bins = rng.random() * 2, 50
+        picks = cheapest(units, limit, bins)
+        fits = [c for c in itertools.product(*units) if sum(math.ceil(cost / limit * bins) for _, cost in c) <= bins]
+        if not fits:
+            assert picks is None
+            continue
+        chosen = [u[j] for u, j in zip(units, picks, strict=True)]
+        assert sum(cost for _, cost in chosen) <= limit
+        assert sum(b for b, _ in chosen) == min(sum(b for b, _ in c) for c in fits)
+
+
+@pytest.mark.slow
+def test_two_ranks_choose_what_one_rank_chooses(compose, tmp_path):
+    """Each rank measures its share of the calibration batches; one all_reduce gives both the same sums, so the
+    same policy, and the same weights as one process."""
+    from lit_ppl.run import evaluate
+
+    require_shared()
+    args = auto_args(tmp_path, "quant.budget.kld=0.02", f"data.cache_dir={tmp_path}")
+    one = evaluate(compose(*args))
+    proc, two = run_entry([*args, "strategy=ddp", "trainer.devices=2"], tmp_path / "two", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert two["world_size"] == 2
+    assert two["quant"]["auto"]["policy"] == one["quant"]["auto"]["policy"]
+    assert two["quant"]["consistency"]["digest"] == one["quant"]["consistency"]["digest"]
+    for name, schemes in one["quant"]["auto"]["sensitivity"].items():
+        for kind, value in schemes.items():
+            theirs = two["quant"]["auto"]["sensitivity"][name][kind]
+            assert theirs == pytest.approx(value, rel=1e-9, abs=1e-15), (name, kind)
+    assert json.dumps(two["quant"]["auto"]["rounds"]) and two["ppl"] == pytest.approx(one["ppl"], rel=1e-9)
