@@ -383,29 +383,48 @@ INT4_CALIBRATED = {
 }
 
 
-def _rank_worker(rank: int, world: int, store: str, cache: str, out: str) -> None:
-    """One rank: the reduced statistics, then the whole quantization with source=local and source=rank0."""
+def _in_each_world(rank: int, work, store: str, out: str) -> None:
+    """One spawned process: ``work(rank, world)`` in a gloo group of 3 ranks, then (ranks 0 and 1) in a new group
+    of 2, each result saved to ``{out}{world}.{rank}``: both world sizes on one launch of processes."""
     import torch.distributed as dist
 
+    torch.set_num_threads(1)
+    for world in (3, 2):
+        if rank >= world:
+            return
+        dist.init_process_group("gloo", init_method=f"file://{store}{world}", rank=rank, world_size=world)
+        try:
+            work(rank, world, f"{out}{world}.{rank}")
+        finally:
+            dist.destroy_process_group()
+
+
+def _rank_worker(rank: int, cache: str, store: str, out: str) -> None:
+    _in_each_world(rank, functools.partial(_rank_work, cache=cache), store, out)
+
+
+# SMALL's three batches (2 + 1 at two ranks, 1 + 1 + 1 at three) from half its tokens: windows of 4 × 128 and 44.
+HALF = {"tokens": 556, "seq_len": 128}
+
+
+def _rank_work(rank: int, world: int, path: str, cache: str) -> None:
+    """One rank: the reduced statistics, then the whole quantization with source=local and source=rank0."""
     from lit_ppl.quant.awq import awq_statistics
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    cal = calibration(cache)
+    cal = calibration(cache, **HALF)
     model = lm()
     configs = linear_configs(model)
     stats = awq_statistics(model, configs, cal, rank, world)
     result: dict = {"stats": {n: {k: v.tolist() for k, v in st.items() if k != "scales"} for n, st in stats.items()}}
     for source in ("local", "rank0"):
         model = lm()
-        report = quantize.build(awq_cfg(cache) | {"source": source}, tokenizer())(model)
+        report = quantize.build(awq_cfg(cache, **HALF) | {"source": source}, tokenizer())(model)
         result[source] = {"consistency": report.consistency, "calibration": report.calibration}
     for label, extra in INT4_CALIBRATED.items():  # int4 on CPU: AWQ with its input pre-scale, GPTQ on torch ops
-        report = quantize.build(awq_cfg(cache) | extra, tokenizer())(lm())
+        report = quantize.build(awq_cfg(cache, **HALF) | extra, tokenizer())(lm())
         result[label] = {"consistency": report.consistency, "calibration": report.calibration}
-    with open(f"{out}.{rank}", "w") as f:
+    with open(path, "w") as f:
         json.dump(result, f)
-    dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -415,21 +434,23 @@ def test_one_two_and_three_ranks_calibrate_to_identical_weights(tmp_path):
     import torch.multiprocessing as mp
 
     require_shared()
-    cal = calibration(tmp_path)  # the token store, built once before the ranks start
-    single = quantize.build(awq_cfg(tmp_path), tokenizer())(lm())
-    int4 = {k: quantize.build(awq_cfg(tmp_path) | e, tokenizer())(lm()).consistency for k, e in INT4_CALIBRATED.items()}
+    cal = calibration(tmp_path, **HALF)  # the token store, built once before the ranks start
+    assert len(cal.batches(0, 1)) == 3, cal.windows.lengths  # SMALL's batch structure, as HALF says
+    cfg = awq_cfg(tmp_path, **HALF)
+    single = quantize.build(cfg, tokenizer())(lm())
+    int4 = {k: quantize.build(cfg | e, tokenizer())(lm()).consistency for k, e in INT4_CALIBRATED.items()}
     assert len({c["digest"] for c in int4.values()} | {single.consistency["digest"]}) == 4  # four different models
     want = reference_statistics(cal)
+    # Three processes start once: a group of 3, then ranks 0 and 1 in a fresh group of 2 (imports take seconds).
+    args = (str(tmp_path), str(tmp_path / "store"), str(tmp_path / "w"))
+    mp.start_processes(_rank_worker, args=args, nprocs=3, start_method="spawn")
     for world in (2, 3):
-        out = tmp_path / f"w{world}"
-        args = (world, str(tmp_path / f"store{world}"), str(tmp_path), str(out))
-        mp.start_processes(_rank_worker, args=args, nprocs=world, start_method="spawn")
         ranks = [json.loads((tmp_path / f"w{world}.{r}").read_text()) for r in range(world)]
         for r in ranks:
             for n, st in want.items():  # every rank holds the whole set's sums, equal to the single-process ones
                 torch.testing.assert_close(torch.tensor(r["stats"][n]["abs_sum"], dtype=torch.float64), st["abs_sum"])
                 torch.testing.assert_close(torch.tensor(r["stats"][n]["errors"], dtype=torch.float64), st["errors"])
-                assert r["stats"][n]["count"] == SMALL["tokens"]
+                assert r["stats"][n]["count"] == HALF["tokens"]
             assert r["stats"] == ranks[0]["stats"]  # bit for bit: one all_reduce gives every rank the same numbers
             for source in ("local", "rank0"):
                 consistency = r[source]["consistency"]
@@ -474,20 +495,19 @@ def test_awq_evaluation_is_the_same_at_one_two_and_three_ranks(compose, tmp_path
         assert r["ppl"] == pytest.approx(single["ppl"], rel=1e-6), (world, source)
 
 
-def _gptq_rank_worker(rank: int, world: int, store: str, cache: str, out: str) -> None:
-    """One rank: its shard's Hessians, reduced over the ranks, saved for the parent to compare."""
-    import torch.distributed as dist
+def _gptq_rank_worker(rank: int, cache: str, store: str, out: str) -> None:
+    _in_each_world(rank, functools.partial(_gptq_rank_work, cache=cache), store, out)
 
+
+def _gptq_rank_work(rank: int, world: int, path: str, cache: str) -> None:
+    """One rank: its shard's Hessians, reduced over the ranks, saved for the parent to compare."""
     from lit_ppl.quant.gptq import gptq_hessians
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     cal = calibration(cache)
     model = lm()
     names = list(linear_configs(model))
     local = len(cal.batches(rank, world))
-    torch.save({"batches": local, "hessians": gptq_hessians(model, names, cal, rank, world)}, f"{out}.{rank}")
-    dist.destroy_process_group()
+    torch.save({"batches": local, "hessians": gptq_hessians(model, names, cal, rank, world)}, path)
 
 
 @pytest.mark.slow
@@ -498,11 +518,11 @@ def test_gptq_hessians_are_identical_on_every_rank_and_equal_the_whole_set(tmp_p
     cal = calibration(tmp_path)  # the token store, built once before the ranks start
     _, inputs = reference_inputs(cal)
     want = {n: torch.cat(xs).to(torch.float64) for n, xs in inputs.items()}
+    # Three processes start once: a group of 3, then ranks 0 and 1 in a fresh group of 2 (imports take seconds).
+    args = (str(tmp_path), str(tmp_path / "gstore"), str(tmp_path / "g"))
+    mp.start_processes(_gptq_rank_worker, args=args, nprocs=3, start_method="spawn")
     for world in (2, 3):
-        out = tmp_path / f"g{world}"
-        args = (world, str(tmp_path / f"gstore{world}"), str(tmp_path), str(out))
-        mp.start_processes(_gptq_rank_worker, args=args, nprocs=world, start_method="spawn")
-        ranks = [torch.load(f"{out}.{r}") for r in range(world)]
+        ranks = [torch.load(tmp_path / f"g{world}.{r}") for r in range(world)]
         assert all(r["batches"] >= 1 for r in ranks)  # every rank really saw a shard of its own
         for r in ranks:
             for n, x in want.items():

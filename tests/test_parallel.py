@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import ROOT, STORIES, TINYSTORIES, require_shared, run, run_entry
 from helpers.nodes import free_port
+from helpers.runs import evaluate_overrides
 
 from lit_ppl.model.nll import cross_entropy_
 from lit_ppl.parallel import layout as parallel
@@ -145,9 +147,31 @@ def test_vocab_parallel_cross_entropy_equals_the_whole_vocabulary():
 
 @pytest.fixture(scope="module")
 def single(docs_file, tmp_path_factory):
-    proc, r = run_entry(_args(docs_file), tmp_path_factory.mktemp("single"))
+    out = tmp_path_factory.mktemp("single")
+    return evaluate_overrides([*_args(docs_file), f"data.cache_dir={out / 'cache'}"], out)  # no interpreter to start
+
+
+def torchrun_sweep(args: list[str], ranks: int, sweep: Path) -> list[dict]:
+    """``args`` (with a ``-m`` sweep in them) under ``torchrun --nproc_per_node ranks``: the same ranks run every
+    job, which costs its evaluation, not ``ranks`` interpreters' start-up. Each job's results, in sweep order."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(free_port()), "-m", "lit_ppl.validate", "-m", *args, f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
+    proc = run(cmd, 900, cwd=sweep.parent, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return r
+    return [json.loads(p.read_text()) for p in sorted(sweep.glob("*/results.json"), key=lambda p: int(p.parent.name))]
+
+
+FOUR_RANK_TP = ["strategy=fsdp_tp,tp", "trainer.devices=4", "parallel.tp=2"]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(docs_file, tmp_path_factory):
+    """The two 4-rank layouts of the test below in one torchrun sweep (one launch of 4 ranks, not two)."""
+    root = tmp_path_factory.mktemp("four")
+    runs = torchrun_sweep([*_args(docs_file, *FOUR_RANK_TP), f"data.cache_dir={root / 'cache'}"], 4, root / "sweep")
+    assert [r["strategy"] for r in runs] == ["fsdp_tp", "tp"]
+    return {r["strategy"]: r for r in runs}
 
 
 @pytest.mark.slow
@@ -159,9 +183,12 @@ def single(docs_file, tmp_path_factory):
         (["strategy=tp", "trainer.devices=4", "parallel.tp=2"], "tp", 4),  # dp_replicate=2 × tp=2
     ],
 )
-def test_tensor_parallel_layouts_match_one_process(docs_file, single, tmp_path, extra, kind, world):
-    proc, r = run_entry(_args(docs_file, *extra), tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_tensor_parallel_layouts_match_one_process(docs_file, single, request, tmp_path, extra, kind, world):
+    if world == 4:  # FOUR_RANK_TP's sweep ran this very layout
+        r = request.getfixturevalue("four_ranks")[extra[0].removeprefix("strategy=")]
+    else:
+        proc, r = run_entry(_args(docs_file, *extra), tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     assert r["parallel"]["kind"] == kind and r["world_size"] == world
     assert r["parallel"]["dp_replicate"] * r["parallel"]["dp_shard"] * r["parallel"]["tp"] == world
     assert (r["tokens"], r["words"], r["documents"]) == (single["tokens"], single["words"], single["documents"])
@@ -299,10 +326,14 @@ def test_no_rank_holds_the_whole_model(big_checkpoint, tmp_path):
     text.write_text(TINYSTORIES.read_text(encoding="utf-8")[:3000], encoding="utf-8")
     args = [f"model.path={big_checkpoint}", "data=text", f"data.path={text}", "eval.seq_len=64"]
     args += ["trainer.accelerator=cpu", "trainer.devices=4", "batch_size=4", "report.plots=false"]
-    runs = {}
-    for strategy in ("ddp", "tp", "fsdp"):
-        proc, runs[strategy] = run_entry([*args, f"strategy={strategy}"], tmp_path / strategy, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    # One torchrun sweep: the same 4 ranks run the three jobs (3 launches of 4 interpreters cost ~80 s more). The
+    # callback restarts each job's peak RSS at its start: ddp runs first, in ranks fresh as a launch of its own,
+    # and anything it left resident could only raise tp's peaks, never help them under the bounds below.
+    strategies = ("ddp", "tp", "fsdp")
+    args += [f"strategy={','.join(strategies)}", "+hydra.callbacks.peak._target_=helpers.peak.PeakPerJob"]
+    args += ["allow_any_target=true"]  # the callback is this test's own, in tests/helpers
+    runs = dict(zip(strategies, torchrun_sweep(args, 4, tmp_path / "sweep"), strict=True))
+    assert {s: r["strategy"] for s, r in runs.items()} == {s: s for s in strategies}
     ddp, model_mb = runs["ddp"], runs["ddp"]["rank_weight_bytes"][0] / 2**20
     assert model_mb > 600
     for strategy in ("tp", "fsdp"):

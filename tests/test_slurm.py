@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, STORIES, WIKITEXT, require_shared, run_entry
+from conftest import ROOT, STORIES, WIKITEXT, require_shared
+from helpers.runs import evaluate_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 TEMPLATE = ROOT / "slurm" / "validate_cpu.sbatch"
@@ -21,11 +22,20 @@ def _submit_and_wait(slurm, tmp_path: Path, sbatch_args: list[str], args: list[s
     return json.loads((out / "results.json").read_text())
 
 
+def _template_args(docs: Path) -> list[str]:
+    return [f"model.path={STORIES}", f"data.path={docs}", "eval.seq_len=64", "strategy=ddp"]
+
+
+@pytest.fixture(scope="module")
+def single_process(docs_file, tmp_path_factory) -> dict:
+    """The one-process run both shapes are compared with: computed once, in this process (no interpreter to start)."""
+    args = [a for a in _template_args(docs_file) if a != "strategy=ddp"] + ["trainer.accelerator=cpu"]
+    return evaluate_overrides(args, tmp_path_factory.mktemp("local"))
+
+
 @pytest.mark.parametrize("shape", [["--nodes=1", "--ntasks-per-node=2"], ["--nodes=2", "--ntasks-per-node=1"]])
-def test_templates_give_the_single_process_numbers(slurm, docs_file, tmp_path, shape):
-    args = [f"model.path={STORIES}", f"data.path={docs_file}", "eval.seq_len=64", "strategy=ddp"]
-    local, ref = run_entry([a for a in args if a != "strategy=ddp"] + ["trainer.accelerator=cpu"], tmp_path / "local")
-    assert local.returncode == 0, local.stderr[-2000:]
+def test_templates_give_the_single_process_numbers(slurm, docs_file, single_process, tmp_path, shape):
+    args, ref = _template_args(docs_file), single_process
     r = _submit_and_wait(slurm, tmp_path, shape, args)
     assert r["world_size"] == 2 and r["num_nodes"] == int(shape[0].split("=")[1])
     assert r["tokens"] == ref["tokens"]
@@ -46,8 +56,7 @@ def test_preempted_job_requeues_and_resumes_bit_identical(slurm, tmp_path):
         "model.hidden_size=256",
         "model.num_layers=4",
     ]
-    local, ref = run_entry([*args, "trainer.accelerator=cpu"], tmp_path / "local")
-    assert local.returncode == 0, local.stderr[-2000:]
+    ref = evaluate_overrides([*args, "trainer.accelerator=cpu"], tmp_path / "local")  # in this process: no start-up
 
     out = tmp_path / "out"
     job = slurm.submit(TEMPLATE, [*args, f"output_dir={out}"], ["--nodes=1", "--ntasks-per-node=1"], cwd=tmp_path)
