@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ROOT, SHARED, STORIES, TINYSTORIES, require_shared, run_entry
+from helpers.runs import torchrun_sweep
 
 from lit_ppl.data.sampler import global_batches
 from lit_ppl.data.sources import DataSpec
@@ -464,6 +465,10 @@ def test_one_two_and_three_ranks_calibrate_to_identical_weights(tmp_path):
         assert ranks[1]["rank0"]["calibration"] is None  # and the others received its weights
 
 
+def _ddp(world: int, source: str, cache) -> list[str]:
+    return ["strategy=ddp", f"trainer.devices={world}", f"quant.source={source}", f"data.cache_dir={cache}"]
+
+
 @pytest.mark.slow
 def test_awq_evaluation_is_the_same_at_one_two_and_three_ranks(compose, tmp_path):
     from lit_ppl.run import evaluate
@@ -484,12 +489,14 @@ def test_awq_evaluation_is_the_same_at_one_two_and_three_ranks(compose, tmp_path
     single = evaluate(compose(*args))
     assert single["quant"]["calibration"]["tokens"] == SMALL["tokens"]
     assert single["quant"]["calibration"]["source"] == str(SHAKESPEARE.resolve())
-    for world, source in ((2, "local"), (3, "local"), (2, "rank0")):
-        run_dir = tmp_path / f"{world}-{source}"
-        run_dir.mkdir()
-        extra = ["strategy=ddp", f"trainer.devices={world}", f"quant.source={source}", f"data.cache_dir={tmp_path}"]
-        proc, r = run_entry([*args, *extra], run_dir, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {}
+    proc, runs[3, "local"] = run_entry([*args, *_ddp(3, "local", tmp_path)], tmp_path / "3-local", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Both 2-rank sources on one torchrun launch of 2 ranks (a Hydra sweep over quant.source).
+    two = torchrun_sweep([*args, *_ddp(2, "local,rank0", tmp_path)], 2, tmp_path / "2-sweep", timeout=600)
+    runs[2, "local"], runs[2, "rank0"] = two
+    for (world, source), r in runs.items():
+        assert r["quant"]["source"] == source, (world, r["quant"])
         assert r["world_size"] == world
         assert r["quant"]["consistency"]["digest"] == single["quant"]["consistency"]["digest"], (world, source)
         assert r["ppl"] == pytest.approx(single["ppl"], rel=1e-6), (world, source)

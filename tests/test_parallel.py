@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import ROOT, STORIES, TINYSTORIES, require_shared, run, run_entry
 from helpers.nodes import free_port
-from helpers.runs import evaluate_overrides
+from helpers.runs import evaluate_overrides, torchrun_sweep
 
 from lit_ppl.model.nll import cross_entropy_
 from lit_ppl.parallel import layout as parallel
@@ -149,17 +148,6 @@ def test_vocab_parallel_cross_entropy_equals_the_whole_vocabulary():
 def single(docs_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
     return evaluate_overrides([*_args(docs_file), f"data.cache_dir={out / 'cache'}"], out)  # no interpreter to start
-
-
-def torchrun_sweep(args: list[str], ranks: int, sweep: Path) -> list[dict]:
-    """``args`` (with a ``-m`` sweep in them) under ``torchrun --nproc_per_node ranks``: the same ranks run every
-    job, which costs its evaluation, not ``ranks`` interpreters' start-up. Each job's results, in sweep order."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1"]
-    cmd += ["--master_port", str(free_port()), "-m", "lit_ppl.validate", "-m", *args, f"hydra.sweep.dir={sweep}"]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
-    proc = run(cmd, 900, cwd=sweep.parent, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(p.read_text()) for p in sorted(sweep.glob("*/results.json"), key=lambda p: int(p.parent.name))]
 
 
 FOUR_RANK_TP = ["strategy=fsdp_tp,tp", "trainer.devices=4", "parallel.tp=2"]

@@ -1,7 +1,11 @@
-"""In-process runs of the Hydra config: compose the overrides as ``python -m lit_ppl.validate`` would, evaluate."""
+"""In-process runs of the Hydra config: compose the overrides as ``python -m lit_ppl.validate`` would, evaluate;
+and sweeps of several jobs on one torchrun launch of ranks."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,3 +20,19 @@ def evaluate_overrides(overrides: list[str], output_dir: Path) -> dict[str, Any]
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         cfg = compose("validate", overrides=[*overrides, f"output_dir={output_dir}"])
     return evaluate(cfg)
+
+
+def torchrun_sweep(args: list[str], ranks: int, sweep: Path, timeout: float = 900) -> list[dict]:
+    """``python -m lit_ppl.validate -m ARGS`` under ``torchrun --nproc_per_node ranks``: the same ranks run every
+    job, which costs its evaluation, not ``ranks`` interpreters' start-up. Each job's results, in sweep order."""
+    from conftest import ROOT, run
+
+    from helpers.nodes import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(free_port()), "-m", "lit_ppl.validate", "-m", *args, f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
+    sweep.parent.mkdir(parents=True, exist_ok=True)
+    proc = run(cmd, timeout, cwd=sweep.parent, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(p.read_text()) for p in sorted(sweep.glob("*/results.json"), key=lambda p: int(p.parent.name))]
