@@ -13,41 +13,22 @@ Figures: benchmarks/README.md ("Precision per layer under a budget").
 
 from __future__ import annotations
 
-import argparse
-import tempfile
 import time
-from pathlib import Path
 
-from common import STORIES, WIKITEXT, lit_ppl, table
-from int4_methods import SMOLLM2, split_text
+from common import lit_ppl, table
+from int4_methods import calibrated_parser, calibrated_texts
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=SMOLLM2 if SMOLLM2.is_dir() else STORIES)
-    parser.add_argument("--text", type=Path, default=WIKITEXT)
-    parser.add_argument("--eval-bytes", type=int, default=40_000)
-    parser.add_argument("--calib-bytes", type=int, default=40_000)
-    parser.add_argument("--calib-tokens", type=int, default=2048)
-    parser.add_argument("--seq-len", type=int, default=512)
+    parser = calibrated_parser(__doc__)
     parser.add_argument("--group", type=int, default=64)
     parser.add_argument("--method", default="awq", help="int4's method")
-    parser.add_argument("--grid", type=int, default=10, help="AWQ's candidate scales per layer")
     parser.add_argument("--budget", type=float, action="append", help="mean-KLD budgets (default 0.005 0.02 0.1)")
-    parser.add_argument("--precision", default="32-true")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="auto_policy_"))
-    evaluated, calib = split_text(args.text, args.eval_bytes, args.calib_bytes, work)
+    work, evaluated, cal = calibrated_texts(args, "auto_policy_")
+    cal.append(f"quant.method={args.method}")
     common = ["compare=unquantized", f"eval.seq_len={args.seq_len}", f"precision={args.precision}"]
     common += ["report.plots=false", f"quant.group_size={args.group}"]
-    cal = [
-        f"quant.calibration.path={calib}",
-        f"quant.calibration.tokens={args.calib_tokens}",
-        f"quant.calibration.seq_len={args.seq_len}",
-        f"quant.calibration.grid={args.grid}",
-        "quant.calibration.batch_size=4",
-        f"quant.method={args.method}",
-    ]
     rows = []
 
     def g4(v: float | None) -> str:

@@ -40,8 +40,9 @@ def split_text(src: Path, eval_bytes: int, calib_bytes: int, work: Path) -> tupl
     return work / "eval.txt", work / "calib.txt"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def calibrated_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a benchmark that evaluates one part of a text and calibrates on the next."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--model", type=Path, default=SMOLLM2 if SMOLLM2.is_dir() else STORIES)
     parser.add_argument("--text", type=Path, default=WIKITEXT)
     parser.add_argument("--eval-bytes", type=int, default=40_000)
@@ -49,11 +50,13 @@ def main() -> None:
     parser.add_argument("--calib-tokens", type=int, default=2048)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--grid", type=int, default=10, help="AWQ's candidate scales per layer")
-    parser.add_argument("--group", type=int, action="append", help="int4 group sizes (default: 64 and 128)")
-    parser.add_argument("--method", action="append", choices=list(METHODS), help="default: all")
     parser.add_argument("--precision", default="32-true")
-    args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="int4_methods_"))
+    return parser
+
+
+def calibrated_texts(args: argparse.Namespace, prefix: str) -> tuple[Path, Path, list[str]]:
+    """``(work dir, evaluated text, calibration overrides)`` of :func:`calibrated_parser`'s options."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
     evaluated, calib = split_text(args.text, args.eval_bytes, args.calib_bytes, work)
     cal = [
         f"quant.calibration.path={calib}",
@@ -62,6 +65,15 @@ def main() -> None:
         f"quant.calibration.grid={args.grid}",
         "quant.calibration.batch_size=4",
     ]
+    return work, evaluated, cal
+
+
+def main() -> None:
+    parser = calibrated_parser(__doc__)
+    parser.add_argument("--group", type=int, action="append", help="int4 group sizes (default: 64 and 128)")
+    parser.add_argument("--method", action="append", choices=list(METHODS), help="default: all")
+    args = parser.parse_args()
+    work, evaluated, cal = calibrated_texts(args, "int4_methods_")
     rows = []
     for group in args.group or [64, 128]:
         for method in args.method or list(METHODS):

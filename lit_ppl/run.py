@@ -30,7 +30,6 @@ from lit_ppl.parallel.ranks import RankFailure, first_line, peer_failure, rank
 from lit_ppl.parallel.strategies import join_launched_ranks
 from lit_ppl.preflight import Plan, preflight
 from lit_ppl.quant import apply as quantize
-from lit_ppl.quant.auto import POLICY_FILE, write_policy
 from lit_ppl.report import loggers
 from lit_ppl.report.progress import TokensPerSecondBar, set_verbose
 from lit_ppl.report.results import build_results, write_per_document
@@ -184,6 +183,8 @@ def write_outputs(plan: Plan, results: dict[str, Any], module: PerplexityModule)
     path = write_json_atomic(out / "results.json", results)
     auto = (results.get("quant") or {}).get("auto")
     if auto:
+        from lit_ppl.quant.auto import POLICY_FILE, write_policy
+
         print(f"quant=auto policy: {write_policy(out / POLICY_FILE, auto)}")
     if report.per_document and module.per_document is not None:
         table = write_per_document(out / f"per_document.{report.per_document}", *module.per_document)

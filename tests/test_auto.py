@@ -182,3 +182,18 @@ def test_two_ranks_choose_what_one_rank_chooses(compose, tmp_path):
             theirs = two["quant"]["auto"]["sensitivity"][name][kind]
             assert theirs == pytest.approx(value, rel=1e-9, abs=1e-15), (name, kind)
     assert json.dumps(two["quant"]["auto"]["rounds"]) and two["ppl"] == pytest.approx(one["ppl"], rel=1e-9)
+
+
+def test_gptq_candidates_are_the_weights_the_policy_applies(compose, tmp_path):
+    """int4 by GPTQ: the joint measurement on the calibration text is of the same weights the evaluation holds."""
+    from lit_ppl.run import evaluate
+
+    require_shared()
+    r = evaluate(compose(*auto_args(tmp_path, "quant.method=gptq", "quant.budget.kld=0.05")))
+    auto, modules = r["quant"]["auto"], r["quant"]["modules"]
+    int4 = [n for n, kind in auto["choice"].items() if kind == "int4"]
+    assert int4 and all(
+        modules[n]["config"] == "int4-g32" and modules[n]["gptq_tokens"] == SMALL["tokens"] for n in int4
+    )
+    assert {rule["method"] for rule in auto["policy"]["rules"] if rule["config"] == "int4"} == {"gptq"}
+    assert auto["measured_calibration"] <= 0.05 and r["compare"]["kld_mean"] <= 0.05

@@ -97,7 +97,7 @@ class BudgetConfig:
     """``quant.budget``: what ``quant=auto`` may lose against the unquantized model on the calibration text (one)."""
 
     kld: float | None = field(default=None, metadata=meta("mean KL divergence, nats"))
-    ppl_increase: float | None = field(default=None, metadata=meta("relative perplexity increase (0.01: +1%)"))
+    ppl_increase: float | None = field(default=None, metadata=meta("|PPL(Q)/PPL(base) - 1| (0.01: within 1%)"))
 
 
 @dataclass

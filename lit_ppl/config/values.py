@@ -240,7 +240,7 @@ def check_auto(key: str, value: dict[str, Any]) -> None:
     if len(budget) != 1:
         raise ConfigError(
             f"{key}=auto needs exactly one budget: {key}.budget.kld=X (mean KL divergence from the unquantized "
-            f"model) or {key}.budget.ppl_increase=X (0.01: +1%); got {budget or 'none'}"
+            f"model) or {key}.budget.ppl_increase=X (0.01: perplexity within 1%); got {budget or 'none'}"
         )
     ((name, limit),) = budget.items()
     if not limit > 0:

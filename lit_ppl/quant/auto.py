@@ -107,10 +107,10 @@ class Candidates:
 
         self.lm, self.opts = lm, GptqOptions.from_cfg(cfg["gptq"])
         self.choices: dict[str, dict[str, tuple[Scheme, str | None, str]]] = {}  # kind -> layer -> plan
-        self.entries: dict[str, dict[str, Any]] = {}  # layer -> the int4 plan's report entry (adaptations)
+        self.solved: dict[str, torch.Tensor] = {}  # GPTQ's tensors
         for kind in kinds:
             method = cfg["method"] if kind == "int4" else "rtn"
-            todo, entries, targets = plan(
+            todo, _, targets = plan(
                 lm, rules_from_cfg({**cfg, "name": kind, "method": method}), cfg["backend"], cfg["group_fallback"]
             )
             experts = sorted(n for n in todo if targets[n].kind != "linear")
@@ -120,8 +120,6 @@ class Candidates:
                     "quantize them with a quant=policy rule"
                 )
             self.choices[kind] = todo
-            if kind == "int4":
-                self.entries = entries
         awq = {n: torchao_config(s, k)[0] for n, (s, k, m) in self.choices.get("int4", {}).items() if m == "awq"}
         gptq = {n: gptq_config(s, k) for n, (s, k, m) in self.choices.get("int4", {}).items() if m == "gptq"}
         self.awq: dict[str, dict[str, torch.Tensor]] = {}
@@ -154,14 +152,17 @@ class Candidates:
         scheme, kernel, method = self.choices[kind][name]
         weight = self.lm.get_submodule(name).weight.detach()
         if method == "awq":
-            st = self.awq[name]
-            s = st["scales"][int(torch.argmin(st["errors"]))]  # the first minimum, as apply_awq takes
+            from lit_ppl.quant.awq import best_scale
+
+            s = best_scale(self.awq[name])[1]
             return quantize_weight(weight * s, torchao_config(scheme, kernel)[0]), 1.0 / s
-        if method == "gptq":
+        if method == "gptq":  # seconds per layer: solved once, kept (an int4 layer's bytes) for every round
             from lit_ppl.quant.gptq import layer_gptq
 
-            config, torchao = self.gptq_configs[name]
-            return layer_gptq(self.gptq[name], weight, config, torchao, self.opts)[0], None
+            if name not in self.solved:
+                config, torchao = self.gptq_configs[name]
+                self.solved[name] = layer_gptq(self.gptq[name], weight, config, torchao, self.opts)[0]
+            return self.solved[name], None
         return quantize_weight(weight, torchao_config(scheme, kernel, method)[0]), None
 
 
@@ -239,11 +240,20 @@ def measure_layers(
     calibration tokens of every rank) and the number of passes."""
     layers = candidates.layers
     local = torch.zeros(len(layers), len(kinds), 4, dtype=torch.float64)
-    passes = 0
+    passes, t0, last = 0, time.perf_counter(), None
     for u, name in enumerate(layers):
         where = block_of(name)
         if where is not None:
             probe.advance(where[1])  # with float weights: the kept block inputs are the float model's
+        if where != last and last is not None:  # an hour on a large model: say where it is
+            log.info(
+                "quant=auto: measured %d of %d layers (%d passes, %.0f s)",
+                u,
+                len(layers),
+                passes,
+                time.perf_counter() - t0,
+            )
+        last = where
         for j, kind in enumerate(kinds):
             if candidates.scheme(name, kind) is not None:
                 with installed(lm, {name: candidates.weight(name, kind)}):

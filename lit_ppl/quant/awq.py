@@ -121,6 +121,12 @@ def awq_statistics(
     return stats
 
 
+def best_scale(st: dict[str, torch.Tensor]) -> tuple[int, torch.Tensor]:
+    """The candidate with the smallest summed error, and its scale: the first minimum, like torchao's strict "<"."""
+    best = int(torch.argmin(st["errors"]))
+    return best, st["scales"][best]
+
+
 def apply_awq(
     lm: nn.Module, configs: dict[str, Any], calibration: Calibration, rank: int, world_size: int
 ) -> dict[str, dict[str, Any]]:
@@ -131,9 +137,8 @@ def apply_awq(
     stats = awq_statistics(lm, configs, calibration, rank, world_size)
     chosen: dict[str, dict[str, Any]] = {}
     for name, st in stats.items():
-        best = int(torch.argmin(st["errors"]))  # the first minimum, like torchao's strict "<"
         mod = lm.get_submodule(name)
-        s = st["scales"][best]
+        best, s = best_scale(st)
         qw = quantize_weight(mod.weight.detach() * s, configs[name])
         if isinstance(qw, SupportsActivationPreScaling):
             qw.act_pre_scale = 1.0 / s  # torchao's own: inside the tensor's linear
