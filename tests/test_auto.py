@@ -18,7 +18,8 @@ from conftest import STORIES, TINYSTORIES, require_shared, run_entry
 from lit_ppl.config.quant import quant_node
 from lit_ppl.config.values import ConfigError, check_calibration
 from lit_ppl.errors import LitPplError
-from lit_ppl.quant.auto import POLICY_FILE, cheapest
+from lit_ppl.quant.auto import POLICY_FILE
+from lit_ppl.quant.budget import cheapest
 
 SHAKESPEARE = STORIES.parent / "tinyshakespeare.txt"
 SMALL = {"tokens": 1024, "seq_len": 256, "batch_size": 2, "grid": 5}

@@ -2,23 +2,20 @@
 
 1. Every quantizable layer's candidates: its weight under each scheme of ``quant.schemes`` (int4 by
    ``quant.method``, with the group fallback; int8 by round-to-nearest), the calibrated ones from statistics
-   reduced over the ranks like AWQ's and GPTQ's (:class:`Candidates`).
+   reduced over the ranks like AWQ's and GPTQ's (:mod:`lit_ppl.quant.candidates`).
 2. Each candidate measured alone on the calibration text: the mean KL divergence from the float model and the
    change in mean NLL (:class:`lit_ppl.quant.sensitivity.Probe`), summed over the ranks in float64 with one
    ``all_reduce``, so every rank holds the same numbers and makes the same choice.
 3. The assignment with the fewest weight bytes whose summed cost stays within the budget: a multiple-choice
-   knapsack solved by dynamic programming over the budget in :data:`BINS` steps, each cost rounded up, so the
-   prediction never exceeds the budget (:func:`cheapest`).
+   knapsack solved by dynamic programming over the budget in 4,000 steps, each cost rounded up, so the
+   prediction never exceeds the budget (:mod:`lit_ppl.quant.budget`).
 4. The assignment measured as a whole on the calibration text; interactions make that differ from the sum, so
    while it exceeds the budget the search target shrinks by the ratio and the knapsack runs again (at most
    :data:`ROUNDS` times).
 
 The choice becomes ``quant=policy`` rules, one per layer (written next to ``results.json`` as
 ``quant_policy.yaml``), applied by :func:`lit_ppl.quant.apply.quantize_model` like any policy.
-
-Bytes are the weights as the scheme stores them packed: full precision in its dtype, int8 one byte per weight
-plus a scale per row, int4 half a byte plus a scale and a zero point per group (in the weight's dtype); the
-intx int4 backend holds one code per byte in memory, which ``results.json``'s ``weight_bytes_after`` shows.
+Bytes: :func:`lit_ppl.quant.budget.packed_bytes`.
 """
 
 from __future__ import annotations
@@ -27,207 +24,25 @@ import logging
 import math
 import re
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from lit_ppl.config.values import check_auto
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.nll import auto_chunk
+from lit_ppl.quant.budget import Budget, Option, cheapest, packed_bytes
 from lit_ppl.quant.calibration import Calibration, all_reduce
-from lit_ppl.quant.plan import Scheme, gptq_config, plan, rules_from_cfg, torchao_config
+from lit_ppl.quant.candidates import Candidates, installed
+from lit_ppl.quant.plan import Scheme
 from lit_ppl.quant.sensitivity import Probe, block_of
-from lit_ppl.runtime.memory import tensor_bytes
 
 log = logging.getLogger(__name__)
 
-BINS = 4000  # the budget's resolution in the knapsack: a cost is rounded up by at most budget / BINS
 ROUNDS = 6  # whole-assignment measurements before giving up on a shrinking target
 SHRINK = 0.95  # the next target is this times budget / measured (below the plain ratio: interactions add up)
 CHUNK_BUDGET_MB = 256  # float64 statistics per chunk of positions, as eval.chunk_budget_mb
-
-
-@dataclass(frozen=True)
-class Budget:
-    """``quant.budget``: ``metric`` is ``kld`` (mean KL divergence, nats) or ``ppl_increase``, the relative change
-    of perplexity either way, ``|PPL(Q) / PPL(base) − 1|``: a quantization that lowers the calibration text's
-    perplexity has still changed the model, and on other text need not lower it."""
-
-    metric: str
-    value: float
-
-    @classmethod
-    def from_node(cls, quant: dict[str, Any]) -> Budget:
-        """The one budget of a whole ``quant`` node (checked as the config check does, for callers of the API)."""
-        check_auto("quant", quant)
-        ((metric, value),) = ((k, v) for k, v in quant["budget"].items() if v is not None)
-        return cls(metric, float(value))
-
-    @property
-    def limit(self) -> float:
-        """The budget in cost units: mean KLD, or the mean NLL change in nats (``|ΔNLL| ≤ log1p(b)`` bounds the
-        perplexity ratio within ``[1 − b, 1 + b]``)."""
-        return self.value if self.metric == "kld" else math.log1p(self.value)
-
-    def cost(self, sums: torch.Tensor) -> float:
-        """A measurement's cost from its summed ``(KLD, NLL, NLL of the float model, tokens)``."""
-        kld, nll, nll_base, tokens = (float(x) for x in sums)
-        return kld / tokens if self.metric == "kld" else abs(nll - nll_base) / tokens
-
-    def shown(self, cost: float) -> float:
-        """A cost in the budget's own terms (``ppl_increase``: ``exp(|ΔNLL|) − 1``)."""
-        return cost if self.metric == "kld" else math.expm1(cost)
-
-
-def packed_bytes(scheme: Scheme, weight: torch.Tensor) -> int:
-    """The bytes of ``weight`` under ``scheme`` as stored packed (module docstring)."""
-    numel, size = weight.numel(), weight.element_size()
-    if scheme.kind == "none":
-        return tensor_bytes(weight)
-    rows = numel // weight.shape[-1]
-    if scheme.kind in ("int8", "int8dq"):
-        return numel + rows * size
-    return numel // 2 + 2 * (numel // scheme.group_size) * size
-
-
-class Candidates:
-    """Per layer and scheme of ``kinds``, what the layer would hold: built when asked (one layer at a time in
-    memory) from the plan of the uniform scheme and, for AWQ and GPTQ, statistics of the float model."""
-
-    def __init__(
-        self, lm: nn.Module, cfg: dict[str, Any], kinds: list[str], calibration: Calibration, at: tuple[int, int]
-    ) -> None:
-        from lit_ppl.quant.gptq_solver import GptqOptions
-
-        self.lm, self.opts = lm, GptqOptions.from_cfg(cfg["gptq"])
-        self.choices: dict[str, dict[str, tuple[Scheme, str | None, str]]] = {}  # kind -> layer -> plan
-        self.solved: dict[str, torch.Tensor] = {}  # GPTQ's tensors
-        for kind in kinds:
-            method = cfg["method"] if kind == "int4" else "rtn"
-            todo, _, targets = plan(
-                lm, rules_from_cfg({**cfg, "name": kind, "method": method}), cfg["backend"], cfg["group_fallback"]
-            )
-            experts = sorted(n for n in todo if targets[n].kind != "linear")
-            if experts:
-                raise LitPplError(
-                    f"quant=auto measures linear layers; {experts[0]} is {targets[experts[0]].kind} weights: "
-                    "quantize them with a quant=policy rule"
-                )
-            self.choices[kind] = todo
-        awq = {n: torchao_config(s, k)[0] for n, (s, k, m) in self.choices.get("int4", {}).items() if m == "awq"}
-        gptq = {n: gptq_config(s, k) for n, (s, k, m) in self.choices.get("int4", {}).items() if m == "gptq"}
-        self.awq: dict[str, dict[str, torch.Tensor]] = {}
-        self.gptq: dict[str, dict[str, torch.Tensor]] = {}
-        self.gptq_configs = gptq
-        if awq:
-            from lit_ppl.quant.awq import awq_statistics
-
-            self.awq = awq_statistics(lm, awq, calibration, *at)
-        if gptq:
-            from lit_ppl.quant.gptq import gptq_hessians
-
-            self.gptq = gptq_hessians(lm, sorted(gptq), calibration, *at)
-
-    @property
-    def layers(self) -> list[str]:
-        """Every layer some scheme can take, in forward order."""
-        order = {n: i for i, (n, _) in enumerate(self.lm.named_modules())}
-        return sorted({n for todo in self.choices.values() for n in todo}, key=order.__getitem__)
-
-    def scheme(self, name: str, kind: str) -> tuple[Scheme, str] | None:
-        """The scheme (group size fitted) and method ``kind`` gives ``name``, or ``None`` if it cannot take it."""
-        chosen = self.choices[kind].get(name)
-        return None if chosen is None else (chosen[0], chosen[2])
-
-    def weight(self, name: str, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(quantized weight, input pre-scale or None)`` of ``name`` under ``kind``."""
-        from lit_ppl.quant.awq import quantize_weight
-
-        scheme, kernel, method = self.choices[kind][name]
-        weight = self.lm.get_submodule(name).weight.detach()
-        if method == "awq":
-            from lit_ppl.quant.awq import best_scale
-
-            s = best_scale(self.awq[name])[1]
-            return quantize_weight(weight * s, torchao_config(scheme, kernel)[0]), 1.0 / s
-        if method == "gptq":  # seconds per layer: solved once, kept (an int4 layer's bytes) for every round
-            from lit_ppl.quant.gptq import layer_gptq
-
-            if name not in self.solved:
-                config, torchao = self.gptq_configs[name]
-                self.solved[name] = layer_gptq(self.gptq[name], weight, config, torchao, self.opts)[0]
-            return self.solved[name], None
-        return quantize_weight(weight, torchao_config(scheme, kernel, method)[0]), None
-
-
-@contextmanager
-def installed(lm: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> Iterator[None]:
-    """The model with these layers' weights (and AWQ input pre-scales) swapped in, restored on exit."""
-    saved, handles = {}, []
-    try:
-        for name, (weight, pre) in weights.items():
-            module = lm.get_submodule(name)
-            saved[name] = module.weight
-            module.weight = nn.Parameter(weight, requires_grad=False)
-            if pre is not None:
-                handles.append(module.register_forward_pre_hook(lambda _, a, s=pre: (a[0] * s, *a[1:])))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        for name, weight in saved.items():
-            lm.get_submodule(name).weight = weight
-
-
-def cheapest(options: list[list[tuple[int, float]]], limit: float, bins: int = BINS) -> list[int] | None:
-    """Per unit the index of its ``(bytes, cost)`` option, fewest bytes in all with summed cost ≤ ``limit``
-    (costs rounded up to ``limit / bins``), or ``None`` if no choice fits."""
-
-    def steps(cost: float) -> int:  # rounded up; past the budget: bins + 1
-        return 0 if cost <= 0 else min(math.ceil(cost / limit * bins), bins + 1)
-
-    weights = [[steps(c) for _, c in unit] for unit in options]
-    best = np.full(bins + 1, np.inf)  # fewest bytes at exactly c steps of cost
-    best[0] = 0.0
-    picks = np.zeros((len(options), bins + 1), dtype=np.int16)
-    for i, unit in enumerate(options):
-        new = np.full(bins + 1, np.inf)
-        for j, ((size, _), w) in enumerate(zip(unit, weights[i], strict=True)):
-            if w > bins:
-                continue
-            shifted = np.full(bins + 1, np.inf)
-            shifted[w:] = best[: bins + 1 - w] + size
-            better = shifted < new
-            new[better], picks[i, better] = shifted[better], j
-        best = new
-    if not np.isfinite(best).any():
-        return None
-    c, chosen = int(np.argmin(best)), []
-    for i in reversed(range(len(options))):
-        j = int(picks[i, c])
-        chosen.append(j)
-        c -= weights[i][j]
-    return chosen[::-1]
-
-
-@dataclass(frozen=True)
-class Option:
-    """One scheme for one layer: its packed bytes and, measured alone, its mean KLD and mean NLL change."""
-
-    kind: str  # "none" or a scheme of quant.schemes
-    bytes: int
-    kld: float = 0.0
-    nll_delta: float = 0.0
-
-    def cost(self, budget: Budget) -> float:
-        # |ΔNLL|: a layer that lowers the NLL alone is no credit against another's loss (Budget).
-        return self.kld if budget.metric == "kld" else abs(self.nll_delta)
 
 
 Table = dict[str, dict[str, dict[str, float]]]  # layer -> scheme -> {"kld", "nll_delta"}

@@ -1,0 +1,115 @@
+"""The arithmetic of ``quant=auto``'s choice: the budget, a layer's options and bytes, the cheapest assignment.
+
+:func:`cheapest` is a multiple-choice knapsack — per layer one option, the fewest bytes in all, the summed costs
+within the budget — solved exactly by dynamic programming over the budget in :data:`BINS` steps, each cost
+rounded up, so that the prediction never exceeds the budget. Written here because none of the dependencies has a
+knapsack solver.
+
+Bytes are the weights as the scheme stores them packed (:func:`packed_bytes`): full precision in its dtype, int8
+one byte per weight plus a scale per row, int4 half a byte plus a scale and a zero point per group (in the
+weight's dtype); the intx int4 backend holds one code per byte in memory, which ``results.json``'s
+``weight_bytes_after`` shows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from lit_ppl.config.values import check_auto
+from lit_ppl.quant.plan import Scheme
+from lit_ppl.runtime.memory import tensor_bytes
+
+BINS = 4000  # the budget's resolution in the knapsack: a cost is rounded up by at most budget / BINS
+
+
+@dataclass(frozen=True)
+class Budget:
+    """``quant.budget``: ``metric`` is ``kld`` (mean KL divergence, nats) or ``ppl_increase``, the relative change
+    of perplexity either way, ``|PPL(Q) / PPL(base) − 1|``: a quantization that lowers the calibration text's
+    perplexity has still changed the model, and on other text need not lower it."""
+
+    metric: str
+    value: float
+
+    @classmethod
+    def from_node(cls, quant: dict[str, Any]) -> Budget:
+        """The one budget of a whole ``quant`` node (checked as the config check does, for callers of the API)."""
+        check_auto("quant", quant)
+        ((metric, value),) = ((k, v) for k, v in quant["budget"].items() if v is not None)
+        return cls(metric, float(value))
+
+    @property
+    def limit(self) -> float:
+        """The budget in cost units: mean KLD, or the mean NLL change in nats (``|ΔNLL| ≤ log1p(b)`` bounds the
+        perplexity ratio within ``[1 − b, 1 + b]``)."""
+        return self.value if self.metric == "kld" else math.log1p(self.value)
+
+    def cost(self, sums: torch.Tensor) -> float:
+        """A measurement's cost from its summed ``(KLD, NLL, NLL of the float model, tokens)``."""
+        kld, nll, nll_base, tokens = (float(x) for x in sums)
+        return kld / tokens if self.metric == "kld" else abs(nll - nll_base) / tokens
+
+    def shown(self, cost: float) -> float:
+        """A cost in the budget's own terms (``ppl_increase``: ``exp(|ΔNLL|) − 1``)."""
+        return cost if self.metric == "kld" else math.expm1(cost)
+
+
+def packed_bytes(scheme: Scheme, weight: torch.Tensor) -> int:
+    """The bytes of ``weight`` under ``scheme`` as stored packed (module docstring)."""
+    numel, size = weight.numel(), weight.element_size()
+    if scheme.kind == "none":
+        return tensor_bytes(weight)
+    rows = numel // weight.shape[-1]
+    if scheme.kind in ("int8", "int8dq"):
+        return numel + rows * size
+    return numel // 2 + 2 * (numel // scheme.group_size) * size
+
+
+def cheapest(options: list[list[tuple[int, float]]], limit: float, bins: int = BINS) -> list[int] | None:
+    """Per unit the index of its ``(bytes, cost)`` option, fewest bytes in all with summed cost ≤ ``limit``
+    (costs rounded up to ``limit / bins``), or ``None`` if no choice fits."""
+
+    def steps(cost: float) -> int:  # rounded up; past the budget: bins + 1
+        return 0 if cost <= 0 else min(math.ceil(cost / limit * bins), bins + 1)
+
+    weights = [[steps(c) for _, c in unit] for unit in options]
+    best = np.full(bins + 1, np.inf)  # fewest bytes at exactly c steps of cost
+    best[0] = 0.0
+    picks = np.zeros((len(options), bins + 1), dtype=np.int16)
+    for i, unit in enumerate(options):
+        new = np.full(bins + 1, np.inf)
+        for j, ((size, _), w) in enumerate(zip(unit, weights[i], strict=True)):
+            if w > bins:
+                continue
+            shifted = np.full(bins + 1, np.inf)
+            shifted[w:] = best[: bins + 1 - w] + size
+            better = shifted < new
+            new[better], picks[i, better] = shifted[better], j
+        best = new
+    if not np.isfinite(best).any():
+        return None
+    c, chosen = int(np.argmin(best)), []
+    for i in reversed(range(len(options))):
+        j = int(picks[i, c])
+        chosen.append(j)
+        c -= weights[i][j]
+    return chosen[::-1]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One scheme for one layer: its packed bytes and, measured alone, its mean KLD and mean NLL change."""
+
+    kind: str  # "none" or a scheme of quant.schemes
+    bytes: int
+    kld: float = 0.0
+    nll_delta: float = 0.0
+
+    def cost(self, budget: Budget) -> float:
+        # |ΔNLL|: a layer that lowers the NLL alone is no credit against another's loss (Budget).
+        return self.kld if budget.metric == "kld" else abs(self.nll_delta)
