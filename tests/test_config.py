@@ -177,6 +177,7 @@ REQUIRED = {
     "data/text": ["data.path=a.txt"],
     "quant/awq": ["quant.calibration.path=c.txt"],
     "quant/gptq": ["quant.calibration.path=c.txt"],
+    "quant/auto": ["quant.calibration.path=c.txt", "quant.budget.kld=0.01"],
     "compare/saved": ["compare.reference.store=/refs"],
 }
 OPTIONS = sorted(f"{p.parent.name}/{p.stem}" for p in Path(conf_dir()).glob("*/*.yaml") if p.parent.name != "hydra")
