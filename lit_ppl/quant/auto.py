@@ -202,10 +202,11 @@ def choose_policy(
             break
         target *= SHRINK * budget.limit / cost
     if chosen is None:
-        best = min(r["measured"] for r in rounds)
+        # No round at all: costs rounded up to the budget's steps left no assignment within it (floor is close).
+        best, how = min(((r["measured"], "measured") for r in rounds), default=(budget.shown(floor), "predicted"))
         raise LitPplError(
             f"quant.budget.{budget.metric}={budget.value:g} is not met on the calibration text: the best reachable "
-            f"with quant.schemes={list(cfg['schemes'])} is {best:.4g} (measured, {len(rounds)} assignments tried); "
+            f"with quant.schemes={list(cfg['schemes'])} is {best:.4g} ({how}, {len(rounds)} assignments tried); "
             "raise the budget"
         )
     quantized = {n: candidates.scheme(n, o.kind) for n, o in chosen.items() if o.kind != "none"}
