@@ -33,10 +33,10 @@ from torch import nn
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.nll import auto_chunk
 from lit_ppl.quant.budget import Budget, Option, cheapest, packed_bytes
-from lit_ppl.quant.calibration import Calibration, all_reduce
+from lit_ppl.quant.calibration import Calibration, all_reduce, block_of
 from lit_ppl.quant.candidates import Candidates, installed
 from lit_ppl.quant.plan import Scheme
-from lit_ppl.quant.sensitivity import Probe, block_of
+from lit_ppl.quant.sensitivity import Probe
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ def choose_policy(
         label = quantized[name][0].label if name in quantized else "none"
         entry = by_scheme.setdefault(label, {"layers": 0, "bytes": 0})
         entry["layers"], entry["bytes"] = entry["layers"] + 1, entry["bytes"] + option.bytes
-    full = sum(unit[0].bytes for unit in unit_options(lm, candidates, [], table, True))
+    full = sum(packed_bytes(Scheme("none"), lm.get_submodule(n).weight) for n in layers)
     uniform = {k: sum(next((o.bytes for o in u if o.kind == k), u[0].bytes) for u in options) for k in kinds}
     policy = policy_node(cfg, quantized)
     info = {

@@ -23,6 +23,7 @@ insensitive to such last-bit differences except at exact ties; the 1/2/3-rank te
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,12 +227,21 @@ def all_reduce(t: torch.Tensor, world_size: int) -> torch.Tensor:
     return t
 
 
-class _Stop(Exception):
+class Stop(Exception):
     """Raised after the last observed block: the rest of the forward pass would observe nothing."""
 
 
 def _stop_hook(*_: Any) -> None:
-    raise _Stop
+    raise Stop
+
+
+BLOCK = re.compile(r"(.*?)\.(\d+)\.")  # "model.layers.3.mlp.up_proj" -> block list "model.layers", index 3
+
+
+def block_of(name: str) -> tuple[str, int] | None:
+    """``(block list, index)`` of a module inside a numbered decoder block, or ``None`` (e.g. the head)."""
+    m = BLOCK.match(name)
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 def _run(lm: nn.Module, calibration: Calibration, batches: list[list[int]], real_box: list[torch.Tensor]) -> None:
@@ -244,7 +254,7 @@ def _run(lm: nn.Module, calibration: Calibration, batches: list[list[int]], real
             real_box[0] = real
             try:
                 out = decoder(input_ids=input_ids, use_cache=False)
-            except _Stop:
+            except Stop:
                 continue
             hidden = out[0] if isinstance(out, tuple) else getattr(out, "last_hidden_state", out)
             if getattr(head, "_lit_ppl_awq", False):  # the head's input only matters when the head is calibrated

@@ -11,7 +11,6 @@ on the outputs of the blocks before it, already quantized.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 from lit_ppl.errors import LitPplError
-from lit_ppl.quant.calibration import Calibration, all_reduce, layer_statistics, stream
+from lit_ppl.quant.calibration import Calibration, all_reduce, block_of, layer_statistics, stream
 from lit_ppl.quant.gptq_solver import GptqOptions, gptq_tensor
 
 
@@ -127,8 +126,8 @@ def blocks(lm: nn.Module, names: list[str]) -> list[tuple[nn.Module | None, list
     order = {n: i for i, (n, _) in enumerate(lm.named_modules())}
     groups: dict[str, list[str]] = {}
     for name in sorted(names, key=order.__getitem__):
-        m = re.match(r"(.*?\.\d+)\.", name)
-        groups.setdefault(m.group(1) if m else "", []).append(name)
+        where = block_of(name)
+        groups.setdefault(f"{where[0]}.{where[1]}" if where else "", []).append(name)
     tail = groups.pop("", [])
     out: list[tuple[nn.Module | None, list[str]]] = [(lm.get_submodule(p), ns) for p, ns in groups.items()]
     return out + ([(None, tail)] if tail else [])

@@ -17,7 +17,6 @@ outside their inputs fails the check and is measured by whole forward passes, on
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,16 +27,11 @@ from torch import nn
 
 from lit_ppl.metrics.kl import token_stats
 from lit_ppl.model.scorer import decoder_and_head, head_fn, logit_transform, transform
-from lit_ppl.quant.calibration import Calibration
+from lit_ppl.quant.calibration import Calibration, Stop
 
 log = logging.getLogger(__name__)
 
 REPLAY_TOLERANCE = 1e-4  # largest |Δ hidden| / max |hidden| of a float replay: rounding, not another function
-BLOCK = re.compile(r"(.*?)\.(\d+)\.")  # "model.layers.3.mlp.up_proj" -> block list "model.layers", index 3
-
-
-class _Stop(Exception):
-    """Raised after the block whose output :meth:`Probe.advance` keeps: nothing after it is needed."""
 
 
 class _Replay(nn.Module):
@@ -56,12 +50,6 @@ class _Replay(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(object.__getattribute__(self, "block"), name)
-
-
-def block_of(name: str) -> tuple[str, int] | None:
-    """``(block list, index)`` of a module inside a numbered decoder block, or ``None`` (e.g. the head)."""
-    m = BLOCK.match(name)
-    return (m.group(1), int(m.group(2))) if m else None
 
 
 class Probe:
@@ -101,10 +89,6 @@ class Probe:
         self.replay = self.layers is not None
         self.reference = [self._hidden(input_ids, real) for input_ids, real, _ in self.batches]
 
-    @property
-    def tokens(self) -> int:
-        return sum(int(t.numel()) for _, _, t in self.batches)
-
     def _hidden(self, input_ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             out = self.decoder(input_ids=input_ids, use_cache=False)
@@ -137,7 +121,7 @@ class Probe:
 
         def keep(_: nn.Module, __: Any, output: Any) -> None:
             kept.append(output)
-            raise _Stop
+            raise Stop  # nothing after the kept block is needed
 
         handle = last.register_forward_hook(keep)
         try:
@@ -147,7 +131,7 @@ class Probe:
                     try:
                         with torch.no_grad():
                             self.decoder(input_ids=input_ids, use_cache=False)
-                    except _Stop:
+                    except Stop:
                         continue
         finally:
             handle.remove()
