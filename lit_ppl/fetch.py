@@ -16,10 +16,10 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from lit_ppl import config
-from lit_ppl.config.targets import construct
+from lit_ppl.config.guard import construct
 from lit_ppl.data.store import Corpus, prepare
 from lit_ppl.run import exit_for
-from lit_ppl.validate import conf_dir
+from lit_ppl.validate import conf_dir, entry
 
 
 def fetch(cfg: DictConfig) -> Path:
@@ -52,4 +52,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

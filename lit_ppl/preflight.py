@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lit_ppl.config.guard import check_output_location, check_targets, construct
 from lit_ppl.config.numbers import number_keys, progress_keys
 from lit_ppl.config.quant import quant_node
 from lit_ppl.config.schema import ParallelConfig, ValidateConfig
-from lit_ppl.config.targets import check_targets, construct
 from lit_ppl.data import autobatch, balance
 from lit_ppl.data.batch_plan import BatchPlan
 from lit_ppl.data.sources import DataSpec
@@ -80,7 +80,9 @@ class Plan:
 
 
 def check_output_dir(path: str) -> Path:
-    """Fail before hours of evaluation, not after, if results cannot be written."""
+    """Fail before hours of evaluation, not after, if results cannot be written (or would land in a system
+    directory)."""
+    check_output_location("output_dir", path)
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -178,7 +180,7 @@ def preflight(cfg: DictConfig) -> Plan:
     """Check ``cfg`` (the schema, the targets, the layout, the model's config) and return the run's :class:`Plan`."""
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain.pop("hydra", None)
-    check_targets(plain)  # the entries checked the whole config already; a config built in Python, its targets
+    check_targets(plain, plain.get("allow_any_target", False))  # the entries checked it already; not Python callers
     typed: ValidateConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ValidateConfig), plain))
     out = check_output_dir(typed.output_dir)
     trainer, dist = typed.trainer, typed.distributed

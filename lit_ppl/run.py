@@ -32,7 +32,7 @@ from lit_ppl.preflight import Plan, preflight
 from lit_ppl.quant import apply as quantize
 from lit_ppl.report import loggers
 from lit_ppl.report.progress import TokensPerSecondBar, set_verbose
-from lit_ppl.report.results import build_results, write_per_document
+from lit_ppl.report.results import build_results, write_hydra_files, write_per_document
 from lit_ppl.report.summary import print_compare_table, print_results_table
 from lit_ppl.runtime.files import first_process, run_lock, write_json_atomic
 from lit_ppl.runtime.threads import set_cpu_threads, use_deterministic_kernels
@@ -59,7 +59,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Run one evaluation described by ``cfg``; return ``results.json``'s content (on every rank)."""
     set_verbose(cfg.get("verbose", False))
     plan = preflight(cfg)
-    with run_lock(plan.output_dir, first_process()):  # two runs into one output_dir would race its files
+    holder = first_process()
+    with run_lock(plan.output_dir, holder):  # two runs into one output_dir would race its files
+        if holder:
+            write_hydra_files(plan.output_dir, cfg)
         return _evaluate(plan)
 
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -29,6 +30,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from lit_ppl import config  # registers the schema (base_validate) that conf/validate.yaml starts from
+from lit_ppl.config.guard import guarded_composition
+from lit_ppl.report.results import DEFER_HYDRA_FILES
 
 # Exit code of a config Hydra could not compose or the schema refused (argparse's and jsonargparse's usage code);
 # lit_ppl.run.exit_for gives the same code for a config refused later.
@@ -36,6 +39,8 @@ EXIT_CONFIG = 2
 # entry() sets HYDRA_FULL_ERROR so that composition errors reach it as exceptions; this marks that it did (ranks
 # that Lightning relaunches inherit both), as opposed to a user asking for Hydra's full traces.
 _OWN_FULL_ERROR = "LIT_PPL_OWNS_HYDRA_FULL_ERROR"
+# Hydra's flag that unpickles a saved job: a pickle is code, whoever wrote the file.
+REFUSED_FLAGS = ("--experimental-rerun",)
 
 
 def conf_dir() -> str:
@@ -61,6 +66,10 @@ def main(cfg: DictConfig) -> None:
         config.check(cfg)  # what composition could not check, before anything is imported or loaded
     except config.ConfigError as err:
         _fail(f"lit-ppl: error: {err}", EXIT_CONFIG)
+    if HydraConfig.initialized():  # (lit_ppl.cli calls this function with a config of its own)
+        # Relative paths (data.path, output_dir, ...) mean what they meant where the run was started, whether or
+        # not hydra.job.chdir=true moved into the run directory.
+        os.chdir(HydraConfig.get().runtime.cwd)
     # Imported here: composing the config (--help, --cfg job) needs neither torch nor Lightning.
     from lit_ppl.evaluation.resume import Preempted, install_signal_handlers, requeue_if_slurm
     from lit_ppl.run import evaluate, exit_for
@@ -78,49 +87,53 @@ def _reraise(err: BaseException) -> NoReturn:
     raise err
 
 
-def hydra_target_override(argv: list[str]) -> str | None:
-    """An override that sets a ``_target_`` under ``hydra.`` (a callback, a launcher): Hydra instantiates those
-    itself, before lit-ppl's own check of the config can run, so they are refused from the command line unless
-    ``allow_any_target=true`` is given too. Presets under ``conf/hydra/`` are files, not overrides."""
-    if "allow_any_target=true" in argv:
-        return None
-    for arg in argv:
-        key = arg.split("=", 1)[0].lstrip("+~")
-        if not arg.startswith("-") and key.startswith("hydra.") and key.endswith("_target_"):
-            return arg
-    return None
-
-
 def with_run_dir(argv: list[str]) -> list[str]:
     """``output_dir=X`` given without ``hydra.run.dir``: Hydra's own files go to X too, not to ``outputs/DATE/TIME``
-    under the working directory (which may be read-only, or shared by many jobs)."""
+    under the working directory (which may be read-only, or shared by many jobs). In a single run, Hydra's copies of
+    the config wait until the run holds the directory's lock (:data:`DEFER_HYDRA_FILES`)."""
     keys = {a.split("=", 1)[0].lstrip("+~") for a in argv if "=" in a}
-    if "-m" in argv or "--multirun" in argv or "hydra.run.dir" in keys:
+    if "-m" in argv or "--multirun" in argv:
         return argv
+    deferred = [] if "hydra.output_subdir" in keys else [DEFER_HYDRA_FILES]
     given = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+") == "output_dir"]
-    return [*argv, f"hydra.run.dir={given[-1]}"] if given else argv
+    run_dir = [f"hydra.run.dir={given[-1]}"] if given and "hydra.run.dir" not in keys else []
+    # Beside the given overrides: argparse takes the overrides as one run of arguments, before or after the flags.
+    at = next((i for i, a in enumerate(argv) if "=" in a and not a.startswith("-")), len(argv))
+    return [*argv[:at], *run_dir, *deferred, *argv[at:]]
 
 
-def entry() -> None:
-    """``python -m lit_ppl.validate``: Hydra's main, with composition errors (an unknown key, a value of the wrong
-    type, a missing group option) on one line instead of Hydra's several lines and traceback hint."""
-    if (arg := hydra_target_override(sys.argv[1:])) is not None:
+def entry(hydra_main: Callable[[], Any] = main) -> None:
+    """``python -m lit_ppl.validate`` (and ``lit_ppl.fetch``): ``hydra_main``, with every config Hydra composes checked
+    first (:mod:`lit_ppl.config.guard`), and composition errors (an unknown key, a value of the wrong type, a missing
+    group option) on one line instead of Hydra's several lines and traceback hint."""
+    if any(a.split("=", 1)[0] in REFUSED_FLAGS for a in sys.argv[1:]):
         print(
-            f"lit-ppl: error: {arg}: a hydra.* _target_ is instantiated by Hydra before any check; "
-            "set allow_any_target=true to allow it",
+            f"lit-ppl: error: {', '.join(REFUSED_FLAGS)} unpickles a file (code, not a config): not supported",
             file=sys.stderr,
         )
         sys.exit(EXIT_CONFIG)
     sys.argv[1:] = with_run_dir(sys.argv[1:])
     if os.environ.get("HYDRA_FULL_ERROR") and not os.environ.get(_OWN_FULL_ERROR):
-        main()  # the user asked for Hydra's full traces
+        with guarded_composition():
+            hydra_main()  # the user asked for Hydra's full traces
         return
     os.environ["HYDRA_FULL_ERROR"] = os.environ[_OWN_FULL_ERROR] = "1"
     try:
-        main()
+        with guarded_composition():
+            hydra_main()
+    except config.ConfigError as err:
+        print(f"lit-ppl: error: {err}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     except (ConfigCompositionException, OverrideParseException) as err:
         print(f"lit-ppl: error: {config.error_line(err)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+    except OSError as err:  # the task reports its own errors: this is Hydra creating or writing the run directory
+        where = f"{err.filename}: " if err.filename else ""
+        print(
+            f"lit-ppl: error: {where}{err.strerror or err} (Hydra's run directory: give a writable output_dir)",
+            file=sys.stderr,
+        )
+        sys.exit(1)
     except Exception as err:
         _hydra_report(err)
 

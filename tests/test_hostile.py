@@ -329,11 +329,15 @@ def test_quantized_weights_in_float64_are_refused_before_loading(compose):
 
 
 def test_output_dir_alone_keeps_hydra_out_of_the_working_directory():
+    from lit_ppl.report.results import DEFER_HYDRA_FILES as D
     from lit_ppl.validate import with_run_dir
 
-    assert with_run_dir(["output_dir=/o", "x=1"]) == ["output_dir=/o", "x=1", "hydra.run.dir=/o"]
-    assert with_run_dir(["output_dir=/o", "hydra.run.dir=/h"]) == ["output_dir=/o", "hydra.run.dir=/h"]
-    assert with_run_dir(["-m", "output_dir=/o"]) == ["-m", "output_dir=/o"] and with_run_dir(["x=1"]) == ["x=1"]
+    assert with_run_dir(["output_dir=/o", "x=1"]) == ["hydra.run.dir=/o", D, "output_dir=/o", "x=1"]
+    assert with_run_dir(["output_dir=/o", "hydra.run.dir=/h"]) == [D, "output_dir=/o", "hydra.run.dir=/h"]
+    assert with_run_dir(["-m", "output_dir=/o"]) == ["-m", "output_dir=/o"] and with_run_dir(["x=1"]) == [D, "x=1"]
+    assert with_run_dir(["hydra.output_subdir=h"]) == ["hydra.output_subdir=h"]  # the user's choice: Hydra writes
+    assert with_run_dir(["--cfg", "job", "x=1"]) == ["--cfg", "job", D, "x=1"]
+    assert with_run_dir(["--help"]) == ["--help", D]
 
 
 def test_an_autobatch_cache_that_is_another_file_is_refused_untouched(compose, tmp_path):

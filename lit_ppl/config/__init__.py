@@ -25,10 +25,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lit_ppl.config.fields import check_fields, nested_schema, omegaconf_line, schema_fields
+from lit_ppl.config.guard import check_targets
 from lit_ppl.config.help import help_resolver, help_text
 from lit_ppl.config.quant import CompareConfig, QuantConfig
 from lit_ppl.config.schema import EvalConfig, ParallelConfig, ValidateConfig
-from lit_ppl.config.targets import check_targets
 from lit_ppl.config.values import LOGGERS, OWNED_TRAINER_ARGS, STRATEGY_NAMES, ConfigError
 
 # What the entries (lit_ppl.validate, lit_ppl.cli) use as ``config.NAME``; the rest is in the modules above.
@@ -68,7 +68,7 @@ def check(cfg: DictConfig) -> None:
     except OmegaConfBaseException as err:
         raise ConfigError(omegaconf_line(err, ValidateConfig)) from None
     plain.pop("hydra", None)
-    check_targets(plain)  # an override's _target_ is an import and a call: only the allowed classes
+    check_targets(plain, plain.get("allow_any_target", False))  # a _target_ is an import and a call
     check_fields(ValidateConfig, plain, "")
 
 

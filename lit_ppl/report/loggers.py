@@ -19,7 +19,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 
-from lit_ppl.config.targets import construct
+from lit_ppl.config.guard import construct
 
 # Logger class -> (any of these importable modules, the lit-ppl extra that installs one of them).
 # Checked before instantiating: Lightning's own errors for a missing package name Lightning's extras, not ours.
@@ -40,7 +40,7 @@ def missing_package_message(option: str, packages: tuple[str, ...], extra: str) 
 
 
 def build(node: dict[str, Any] | None, config: dict[str, Any]) -> Logger | bool:
-    """The logger of the ``logger`` node (its ``_target_`` allowed by :mod:`lit_ppl.config.targets`) for
+    """The logger of the ``logger`` node (its ``_target_`` allowed by :mod:`lit_ppl.config.guard`) for
     ``L.Trainer(logger=...)``, or ``False`` for ``logger=none``; ``config`` is the run's, logged at once."""
     target = None if node is None else node.get("_target_")
     if target is None:

@@ -6,9 +6,15 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from lit_ppl.runtime.files import atomic_path
+from omegaconf import DictConfig, OmegaConf
+
+from lit_ppl.runtime.files import atomic_path, write_text_atomic
 
 SCHEMA_VERSION = 1
+# In a single run the entry hands Hydra this override, so that Hydra's copies of the config are written by
+# write_hydra_files once the run holds output_dir's lock: a run refused there changes nothing in it.
+DEFER_HYDRA_FILES = "++hydra.output_subdir=null"
+HYDRA_FILES = ".hydra"
 LIBRARIES = ("lit-ppl", "torch", "lightning", "torchmetrics", "transformers", "datasets", "torchao", "hydra-core")
 
 
@@ -21,6 +27,19 @@ def library_versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[name] = "missing"
     return out
+
+
+def write_hydra_files(directory: Path, task_cfg: DictConfig) -> None:
+    """Hydra's ``.hydra/config.yaml``, ``hydra.yaml`` and ``overrides.yaml`` in ``directory``, where the entry
+    deferred them (:data:`DEFER_HYDRA_FILES`)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized() or DEFER_HYDRA_FILES not in HydraConfig.get().overrides.hydra:
+        return
+    hydra_cfg = HydraConfig.instance().cfg
+    files = {"config.yaml": task_cfg, "hydra.yaml": hydra_cfg, "overrides.yaml": hydra_cfg.hydra.overrides.task}
+    for name, node in files.items():
+        write_text_atomic(directory / HYDRA_FILES / name, OmegaConf.to_yaml(node))
 
 
 def build_results(
