@@ -1,18 +1,24 @@
-"""The one exception lit-ppl raises for bad input: what gets a one-line message instead of a traceback.
+"""What counts as the user's mistake: one base class, reported as one line instead of a traceback, and its exit code.
 
-Only lit-ppl's own checks raise :class:`LitPplError` (a bad value, a missing file, a model or layout that cannot
-work), each with a message that names the value and what would be valid. Anything else that escapes a run — a
-``ValueError`` from a library, a ``KeyError`` in lit-ppl — is a bug somewhere: the entry points print its traceback
-and say so, instead of passing it off as the user's mistake.
+lit-ppl's own checks raise :class:`UserError` subclasses (a bad value, a missing file, a model or layout that cannot
+work, a rank that failed), each with a message that names the value and what would be valid. Anything else that
+escapes a run — a ``ValueError`` from a library, a ``KeyError`` in lit-ppl — is a bug somewhere: the entry points
+print its traceback and say so, instead of passing it off as the user's mistake (:func:`lit_ppl.run.exit_for`).
 """
 
 from __future__ import annotations
 
+EXIT_CONFIG = 2  # a config refused before anything ran (argparse's and jsonargparse's usage code)
 
-class LitPplError(ValueError):
-    """Bad input found by lit-ppl's own checks: reported as one line, without a traceback.
 
-    A ``ValueError`` so that code (and tests) that catch a bad value keep working.
+class UserError(Exception):
+    """Bad input or a failed peer, found by lit-ppl: one line, no traceback. Subclasses also derive from the
+    builtin error that code catching them expects (``ValueError``, ``RuntimeError``, ``ImportError``)."""
+
+
+class LitPplError(UserError, ValueError):
+    """Bad input found by lit-ppl's own checks; a ``ValueError`` so that code (and tests) that catch a bad value
+    keep working.
 
     Examples:
         >>> try:
@@ -21,3 +27,18 @@ class LitPplError(ValueError):
         ...     print(err)
         eval.seq_len=0 must be >= 1
     """
+
+
+def first_line(err: BaseException) -> str:
+    """The first non-empty line of an exception's message (torch's collective errors span pages).
+
+    Examples:
+        >>> first_line(RuntimeError("\\n  gloo: connection reset\\nat frame 2"))
+        'gloo: connection reset'
+        >>> first_line(KeyError())
+        'KeyError'
+    """
+    for line in str(err).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(err).__name__

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from lit_ppl.config.values import ConfigError
 from lit_ppl.data.datamodule import PerplexityDataModule
-from lit_ppl.errors import LitPplError
+from lit_ppl.errors import EXIT_CONFIG, UserError, first_line
 from lit_ppl.evaluation.agreement import AgreementCheck
 from lit_ppl.evaluation.compare import CompareModule, SavedCompareModule, reference_spec
 from lit_ppl.evaluation.module import PerplexityModule
@@ -25,8 +25,7 @@ from lit_ppl.evaluation.reference import TokenOutputs
 from lit_ppl.evaluation.resume import EXIT_PREEMPTED, Preempted, ResumeCallback
 from lit_ppl.evaluation.trainer import build_trainer
 from lit_ppl.model.nll import auto_chunk
-from lit_ppl.model.scorer import ScorerMismatchError
-from lit_ppl.parallel.ranks import RankFailure, first_line, peer_failure, rank
+from lit_ppl.parallel.ranks import peer_failure, rank
 from lit_ppl.parallel.strategies import join_launched_ranks
 from lit_ppl.preflight import Plan, preflight
 from lit_ppl.quant import apply as quantize
@@ -37,21 +36,15 @@ from lit_ppl.report.summary import print_compare_table, print_results_table
 from lit_ppl.runtime.files import first_process, run_lock, write_json_atomic
 from lit_ppl.runtime.threads import set_cpu_threads, use_deterministic_kernels
 
-EXIT_CONFIG = 2  # a config the schema refused (argparse's and jsonargparse's usage code)
-
-# Errors that mean "the input was wrong" or "a peer failed": reported as one line, without a traceback.
+# Errors that mean "the input was wrong" or "a peer failed": reported as one line, without a traceback. lit-ppl's
+# own all derive from UserError; a ValueError from elsewhere is a bug and keeps its traceback.
 USER_ERRORS = (
-    LitPplError,  # raised by lit-ppl's own checks only: a ValueError from elsewhere is a bug and keeps its traceback
-    ConfigError,
+    UserError,
     FileNotFoundError,
     NotADirectoryError,
     PermissionError,
     FloatingPointError,
-    RankFailure,
-    quantize.RankMismatchError,  # ranks quantized differently: the message names the modules
-    ScorerMismatchError,  # an architecture whose logits lit-ppl's head path does not reproduce
     MisconfigurationException,  # Lightning's word for a bad precision, accelerator or device count
-    loggers.MissingPackageError,  # logger=mlflow etc. without its package: the line names the extra
 )
 
 

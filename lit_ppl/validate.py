@@ -31,11 +31,9 @@ from omegaconf import DictConfig
 
 from lit_ppl import config  # registers the schema (base_validate) that conf/validate.yaml starts from
 from lit_ppl.config.guard import guarded_composition
+from lit_ppl.errors import EXIT_CONFIG
 from lit_ppl.report.results import DEFER_HYDRA_FILES
 
-# Exit code of a config Hydra could not compose or the schema refused (argparse's and jsonargparse's usage code);
-# lit_ppl.run.exit_for gives the same code for a config refused later.
-EXIT_CONFIG = 2
 # entry() sets HYDRA_FULL_ERROR so that composition errors reach it as exceptions; this marks that it did (ranks
 # that Lightning relaunches inherit both), as opposed to a user asking for Hydra's full traces.
 _OWN_FULL_ERROR = "LIT_PPL_OWNS_HYDRA_FULL_ERROR"

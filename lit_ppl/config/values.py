@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from lit_ppl.errors import LitPplError
+
 # Allowed values: the one definition, imported by the modules that act on each key (named after the #).
 STRATEGY_NAMES = (
     "auto",
@@ -115,7 +117,7 @@ LOGGER_ARGS: dict[str, tuple[str, ...]] = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(LitPplError):
     """A value the schema refuses, reported by the entry as one line."""
 
 

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lit_ppl.data.sources import COMPRESSIONS, DataSpec
-from lit_ppl.errors import LitPplError
-from lit_ppl.parallel.ranks import first_line
+from lit_ppl.errors import LitPplError, first_line
 
 CHUNK_CHARS = 1 << 20  # a plain-text file is read this many characters at a time
 SEPARATOR_LOOKAHEAD = 1 << 16  # a separator match ending this close to the read text's end may still grow

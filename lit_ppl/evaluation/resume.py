@@ -36,8 +36,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lit_ppl.data.batch_plan import BatchPlan
-from lit_ppl.errors import LitPplError
-from lit_ppl.parallel.ranks import control_group, first_line, peers_alive
+from lit_ppl.errors import LitPplError, first_line
+from lit_ppl.parallel.ranks import control_group, peers_alive
 from lit_ppl.runtime.files import atomic_path
 
 _FILE = re.compile(r"rank(\d+)-step(\d+)\.pt$")

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_ppl.errors import UserError
 from lit_ppl.model.nll import chunked_nll
 from lit_ppl.parallel.tensor_parallel import Group, gather_vocab, vocab_parallel_cross_entropy_
 
@@ -45,7 +46,7 @@ CHECK_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
 CHECK_TOLERANCE_16BIT = 0.1
 
 
-class ScorerMismatchError(RuntimeError):
+class ScorerMismatchError(UserError, RuntimeError):
     """lit-ppl's NLL path does not reproduce the model's own log-probabilities."""
 
 

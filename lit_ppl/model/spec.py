@@ -12,9 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_ppl.errors import LitPplError
+from lit_ppl.errors import LitPplError, first_line
 from lit_ppl.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from lit_ppl.parallel.ranks import first_line
 
 BUILTIN = "builtin"
 

@@ -9,8 +9,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from lit_ppl.errors import UserError, first_line
 
-class RankFailure(RuntimeError):
+
+class RankFailure(UserError, RuntimeError):
     """A peer rank died, raised, or did not reach a synchronisation point in time."""
 
 
@@ -101,11 +103,3 @@ def peer_failure(err: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
-
-
-def first_line(err: BaseException) -> str:
-    """The first non-empty line of an exception's message (torch's collective errors span pages)."""
-    for line in str(err).splitlines():
-        if line.strip():
-            return line.strip()
-    return type(err).__name__

@@ -13,11 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_ppl.errors import UserError
 from lit_ppl.parallel.ranks import world
 from lit_ppl.runtime.memory import inner_tensors
 
 
-class RankMismatchError(RuntimeError):
+class RankMismatchError(UserError, RuntimeError):
     """Ranks hold different quantized weights: their results would not be one model's."""
 
 

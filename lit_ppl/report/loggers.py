@@ -20,6 +20,7 @@ import lightning as L
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 
 from lit_ppl.config.guard import construct
+from lit_ppl.errors import UserError
 
 # Logger class -> (any of these importable modules, the lit-ppl extra that installs one of them).
 # Checked before instantiating: Lightning's own errors for a missing package name Lightning's extras, not ours.
@@ -30,7 +31,7 @@ REQUIRES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-class MissingPackageError(ImportError):
+class MissingPackageError(UserError, ImportError):
     """A logger was chosen whose package is not installed."""
 
 
