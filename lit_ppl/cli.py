@@ -7,40 +7,35 @@
     lit-ppl validate --config configs/cli/stories260k.yaml --trainer.precision bf16-mixed --quant.name int8
     lit-ppl validate --print_config > mine.yaml             # every option, with its default
 
-Every option comes from the typed schema of the Hydra config (:mod:`lit_ppl.config`), so the two entries cannot
-drift apart: ``--model.*`` is :class:`~lit_ppl.model.spec.ModelSpec` and ``--data.*``
-:class:`~lit_ppl.data.sources.DataSpec`
-(the schema mirrors both), ``--trainer.*`` Lightning's ``Trainer`` (``--trainer.strategy`` takes the names of
-``conf/strategy/``, ``--trainer.precision`` any Lightning precision), ``--eval.*``, ``--quant.*`` and
-``--parallel.*`` the ``eval=``/``quant=``/``strategy=`` groups: ``--eval.mode sliding`` is ``eval=sliding``,
-``--quant.name int4`` is ``quant=int4``, ``--trainer.strategy tp`` is ``strategy=tp``, and an option left unset
-takes that group file's default. ``--logger csv`` is ``logger=csv``. Every other key of the schema
-(``--batch_size``, ``--distributed.timeout_s``, ``--resume.*``, ...) is an option of the same name, type and
-allowed values, defaulting to ``conf/validate.yaml``'s value. jsonargparse checks each value's type, and the
-assembled config is checked against the schema as the Hydra entry's is.
-
-The run itself is the Hydra entry's task function, :func:`lit_ppl.validate.main`, called with the equivalent
-Hydra-shaped config: the same ``PerplexityModule``/``PerplexityDataModule``, strategy and precision handling,
-signal handling and resume, error messages and ``results.json``.
+The options are the schema's keys (:mod:`lit_ppl.config`) with their types and allowed values, ``--trainer.*``
+Lightning's ``Trainer``. jsonargparse parses them; Hydra composes ``conf/`` from the overrides they stand for:
+``--eval.mode sliding`` is ``eval=sliding``, ``--quant.name int4`` ``quant=int4`` (``--quant.method awq``
+``quant=awq``), ``--trainer.strategy tp`` ``strategy=tp``, ``--logger csv`` ``logger=csv``, then ``key=value``
+for every option given; an option left unset takes its group file's value (``conf/validate.yaml``'s outside a
+group). The run is the Hydra entry's task function, :func:`lit_ppl.validate.main`, on that config: the same
+objects, checks, signal handling and resume, error messages and ``results.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import sys
 import time
-import typing
-from pathlib import Path
 from typing import Any, Literal
 
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lit_ppl import config
+from lit_ppl.config.guard import guarded_composition
+from lit_ppl.config.options import given, hydra_value, leaf_fields, option_type, options
 from lit_ppl.data.sources import DataSpec
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.spec import ModelSpec
@@ -52,116 +47,52 @@ SUBCOMMANDS = ("validate",)
 # Ranks that Lightning relaunches re-run this command line; they read the default output dir from here so that
 # all ranks of one run agree on it even when they start in different seconds.
 OUTPUT_DIR_ENV = "LIT_PPL_OUTPUT_DIR"
-# Schema keys with options of their own: a group (built from its file and options) or a Trainer argument.
-GROUP_KEYS = ("model", "data", "eval", "trainer", "strategy", "parallel", "quant", "compare", "logger")
-MAPPED_KEYS = ("precision", "seed", "output_dir")
+# Options that are not the schema key of the same name (LightningCLI's, or mapped), and keys set from those options.
+MAPPED_OPTIONS = ("config", "trainer", "seed_everything", "logger", "output_dir")
+MAPPED_KEYS = ("trainer", "strategy", "logger", "precision", "seed", "output_dir")
 
-
-def _cli_type(f: dataclasses.Field, kind: Any) -> Any:
-    """The jsonargparse type of a schema field: its allowed values as a Literal, its union, or its own type."""
-    choices = f.metadata.get("choices", ())
-    if choices:
-        allowed = Literal[choices]  # Literal[("a", "b")] is Literal["a", "b"]
-        return allowed | None if type(None) in typing.get_args(kind) else allowed
-    return f.metadata.get("union", kind)
-
-
-def _options(schema: type, keep: tuple[str, ...] = ()) -> type:
-    """A dataclass of ``schema``'s fields for jsonargparse, each ``None`` by default: an option left unset takes the
-    group file's value. Fields named in ``keep`` (the one that picks the file) keep the schema's default."""
-    specs: list[tuple[str, Any, Any]] = []
-    lines = [(schema.__doc__ or "").strip(), "", "Attributes:"]
-    for f, kind in config.schema_fields(schema):
-        inner = config.nested_schema(kind)
-        if inner is not None:
-            nested = _options(inner)
-            specs.append((f.name, nested, dataclasses.field(default_factory=nested)))
-        elif f.name in keep:
-            specs.append((f.name, _cli_type(f, kind), f.default))
-        else:
-            specs.append((f.name, _cli_type(f, kind) | None, None))
-        lines.append(f"    {f.name}: {f.metadata.get('doc') or f.name}")
-    name = schema.__name__.replace("Config", "Options")
-    options = dataclasses.make_dataclass(name, specs)
-    options.__doc__, options.__module__ = "\n".join(lines), __name__  # jsonargparse's help reads the Attributes
-    return options
-
-
-EvalOptions = _options(config.EvalConfig, keep=("mode",))
-QuantOptions = _options(config.QuantConfig)
+EvalOptions = options(config.EvalConfig, __name__, keep=("mode",))
+QuantOptions = options(config.QuantConfig, __name__)
 CalibrationOptions = {f.name: f.type for f in dataclasses.fields(QuantOptions)}["calibration"]
-CompareOptions = _options(config.CompareConfig)
-ParallelOptions = _options(config.ParallelConfig)
+CompareOptions = options(config.CompareConfig, __name__)
+ParallelOptions = options(config.ParallelConfig, __name__)
+GROUPS = {"model": ModelSpec, "data": DataSpec, "eval": EvalOptions, "quant": QuantOptions}
+GROUPS |= {"compare": CompareOptions, "parallel": ParallelOptions}
 
 
-def _load(group: str, option: str) -> dict[str, Any]:
-    """One option file of a Hydra config group, as a plain dict (``{}`` when there is no such file)."""
-    path = Path(conf_dir()) / group / f"{option}.yaml"
-    return OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
+def quant_preset(name: str | None, method: str | None) -> str:
+    """The ``conf/quant/`` file that ``--quant.name``/``--quant.method`` select: a calibrated method's own, else the
+    name's (``--quant.method awq`` is ``quant=awq``)."""
+    return method if method in ("awq", "gptq") else name or "none"
 
 
-def _preset() -> tuple[dict[str, Any], dict[str, Any]]:
-    """``conf/validate.yaml`` over the schema's defaults (as Hydra composes it before any group), and the option it
-    picks for each group."""
-    root = OmegaConf.load(Path(conf_dir()) / "validate.yaml")
-    entries = OmegaConf.to_container(root.pop("defaults"))
-    root.pop("hydra", None)
-    choices = {k: v for entry in entries if isinstance(entry, dict) for k, v in entry.items()}
-    return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(config.ValidateConfig), root)), choices
+def compose_validate(overrides: list[str], hydra: bool = False) -> DictConfig:
+    """``conf/validate.yaml`` composed by Hydra with ``overrides``, checked by lit-ppl's guard as the Hydra entry's is.
+    ``hydra``: keep the ``hydra`` node (its ``runtime.choices`` name each group's option)."""
+    try:
+        with guarded_composition(), initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+            return compose("validate", overrides=overrides, return_hydra_config=hydra)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise config.ConfigError(config.error_line(err)) from None
 
 
-def _plain_fields(schema: type, prefix: str = "") -> typing.Iterator[tuple[str, dataclasses.Field, Any]]:
-    """``(dotted key, field, type)`` of each schema leaf that is neither a group nor mapped to a Trainer argument."""
-    for f, kind in config.schema_fields(schema):
-        key = f"{prefix}{f.name}"
-        if not prefix and f.name in (*GROUP_KEYS, *MAPPED_KEYS):
-            continue
-        inner = config.nested_schema(kind)
-        if inner is not None:
-            yield from _plain_fields(inner, f"{key}.")
-        else:
-            yield key, f, kind
-
-
-def _select(values: dict[str, Any], key: str) -> Any:
-    """``values["a"]["b"]`` for ``key="a.b"``."""
-    for part in key.split("."):
-        values = values[part]
-    return values
-
-
-def _overlay(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with every value that was actually given (not ``None``) put over it."""
-    return {**base, **{k: v for k, v in given.items() if v is not None}}
-
-
-def _quant(given: dict[str, Any]) -> dict[str, Any]:
-    """The ``quant`` group: its file (the calibrated method's, else the name's) with the given values over it."""
-    given = dict(given)
-    nested = {
-        key: {k: v for k, v in (given.pop(key) or {}).items() if v is not None} for key in ("calibration", "gptq")
-    }
-    method = given.get("method")
-    base = _load("quant", method if method in ("awq", "gptq") else given["name"] or "none")
-    cfg = _overlay(base, given)
-    for key, values in nested.items():  # the nodes' given keys over the file's
-        if values or key in base:
-            cfg[key] = {**(base.get(key) or {}), **values}
-    return cfg
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """The config Hydra composes without overrides (unresolved): every option's default comes from it."""
+    return OmegaConf.to_container(compose_validate([], hydra=True))
 
 
 class PerplexityCLI(LightningCLI):
-    """LightningCLI for ``lit-ppl validate``: parses the options, then builds the Hydra-shaped config.
+    """LightningCLI for ``lit-ppl validate``: parses the options, then has Hydra compose the config they describe.
 
     ``run=False``: Lightning's own subcommands would call ``trainer.validate`` on objects the CLI built; here
     the Hydra entry's code builds and runs them from :attr:`hydra_config`, so both entries share one code path.
     """
 
     def __init__(self, args: list[str] | None = None) -> None:
-        defaults, choices = _preset()
-        trainer = _load("trainer", choices.get("trainer", "default"))
+        defaults = _defaults()
         super().__init__(
-            trainer_defaults={**trainer, "precision": defaults["precision"]},
+            trainer_defaults={**defaults["trainer"], "precision": defaults["precision"]},
             seed_everything_default=defaults["seed"],
             save_config_callback=None,
             parser_kwargs={"prog": "lit-ppl validate", "description": __doc__.split("\n\n")[0]},
@@ -177,22 +108,19 @@ class PerplexityCLI(LightningCLI):
         parser.set_defaults({f"trainer.{k}": v for k, v in self.trainer_defaults.items()})
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        defaults, choices = _preset()
-        parser.add_class_arguments(ModelSpec, "model", instantiate=False)
-        parser.add_class_arguments(DataSpec, "data", instantiate=False)
-        parser.add_class_arguments(EvalOptions, "eval", instantiate=False)
-        parser.add_class_arguments(QuantOptions, "quant", instantiate=False)
-        parser.add_class_arguments(CompareOptions, "compare", instantiate=False)
-        parser.add_class_arguments(ParallelOptions, "parallel", instantiate=False)
+        defaults = _defaults()
+        for key, cls in GROUPS.items():
+            parser.add_class_arguments(cls, key, instantiate=False)
         parser.add_argument(
             "--logger",
             type=Literal[config.LOGGERS],
-            default=choices.get("logger") or "none",
+            default=defaults["hydra"]["runtime"]["choices"]["logger"] or "none",
             help="An experiment logger, as logger= of the Hydra entry (conf/logger/).",
         )
-        for key, f, kind in _plain_fields(config.ValidateConfig):
+        for key, f, kind in leaf_fields(config.ValidateConfig, skip=(*GROUPS, *MAPPED_KEYS)):
             doc = f.metadata.get("doc") or f"as {key} in conf/validate.yaml"
-            parser.add_argument(f"--{key}", type=_cli_type(f, kind), default=_select(defaults, key), help=f"{doc}.")
+            default = functools.reduce(dict.__getitem__, key.split("."), defaults)
+            parser.add_argument(f"--{key}", type=option_type(f, kind), default=default, help=f"{doc}.")
         parser.add_argument(
             "--output_dir",
             type=str | None,
@@ -205,50 +133,44 @@ class PerplexityCLI(LightningCLI):
         self.config = parser.parse_args(args)
 
     def instantiate_classes(self) -> None:
-        self.hydra_config = to_hydra_config(self.config)
+        # Checked by the schema as the Hydra entry's config is.
+        self.hydra_config = compose_validate(overrides(self.config, self.parser.get_defaults()))
+        config.check(self.hydra_config)
 
 
-def to_hydra_config(ns: Any) -> DictConfig:
-    """The Hydra config (the schema's shape, checked as the Hydra entry checks it) that the parsed options describe."""
+def _trainer_args(trainer: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer arguments to pass on: the device counts, and every other one given (refused if lit-ppl sets it)."""
+    signature = inspect.signature(Trainer.__init__).parameters
+    passed = {
+        k: v for k, v in trainer.items() if k in ("accelerator", "devices", "num_nodes") or v != signature[k].default
+    }
+    if isinstance(passed["devices"], str) and passed["devices"].isdigit():
+        passed["devices"] = int(passed["devices"])  # jsonargparse reads --trainer.devices=2 as str (a valid type)
+    for key, value in passed.items():
+        if key in config.OWNED_TRAINER_ARGS:
+            raise LitPplError(f"--trainer.{key} is set by lit-ppl itself; leave it out")
+        if not isinstance(value, str | int | float | bool | type(None) | list):
+            raise LitPplError(f"--trainer.{key}={value!r}: only plain values are passed on to the Trainer")
+    return passed
+
+
+def overrides(ns: Any, defaults: Any) -> list[str]:
+    """The Hydra overrides that the parsed options ``ns`` describe: each group's option, then ``key=value`` for the
+    Trainer's arguments, precision, seed, output dir and every other option given (not at its default)."""
     opts = ns.as_dict()
     trainer = dict(opts["trainer"])
     strategy, precision = trainer.pop("strategy"), trainer.pop("precision")
     if strategy not in config.STRATEGY_NAMES:
         raise LitPplError(f"--trainer.strategy={strategy!r} is not one of {', '.join(config.STRATEGY_NAMES)}")
-    signature = inspect.signature(Trainer.__init__).parameters
-    given = {
-        k: v for k, v in trainer.items() if k in ("accelerator", "devices", "num_nodes") or v != signature[k].default
-    }
-    if isinstance(given["devices"], str) and given["devices"].isdigit():
-        given["devices"] = int(given["devices"])  # jsonargparse reads --trainer.devices=2 as str (a valid type)
-    for key, value in given.items():
-        if key in config.OWNED_TRAINER_ARGS:
-            raise LitPplError(f"--trainer.{key} is set by lit-ppl itself; leave it out")
-        if not isinstance(value, str | int | float | bool | type(None) | list):
-            raise LitPplError(f"--trainer.{key}={value!r}: only plain values are passed on to the Trainer")
-    ev = opts["eval"]
+    quant, logger = opts["quant"], opts["logger"]
+    groups = {"eval": opts["eval"]["mode"], "strategy": strategy, "quant": quant_preset(quant["name"], quant["method"])}
+    if logger != "none":  # none is conf/validate.yaml's logger: null
+        groups["logger"] = logger
     output_dir = opts["output_dir"] or os.environ.get(OUTPUT_DIR_ENV) or time.strftime("outputs/cli/%Y-%m-%d/%H-%M-%S")
-    cfg = {
-        "model": {"_target_": "lit_ppl.model.spec.ModelSpec", **opts["model"]},
-        "data": {"_target_": "lit_ppl.data.sources.DataSpec", **opts["data"]},
-        "eval": _overlay(_load("eval", ev["mode"]), ev),
-        "trainer": given,
-        "strategy": {"name": strategy},
-        "parallel": _overlay(_load("strategy", strategy)["parallel"], opts["parallel"]),  # the preset's layout
-        "quant": _quant(opts["quant"]),
-        "compare": opts["compare"],
-        "logger": _load("logger", opts["logger"]) or None,
-        "precision": str(precision),
-        "seed": int(opts["seed_everything"]),
-        "output_dir": output_dir,
-        **{k: opts[k] for k in {key.split(".")[0] for key, _, _ in _plain_fields(config.ValidateConfig)}},
-    }
-    try:
-        typed = OmegaConf.merge(OmegaConf.structured(config.ValidateConfig), cfg)
-    except OmegaConfBaseException as err:
-        raise config.ConfigError(config.error_line(err)) from None
-    config.check(typed)
-    return typed
+    values = {f"trainer.{k}": v for k, v in _trainer_args(trainer).items()}
+    values |= {"precision": str(precision), "seed": int(opts["seed_everything"]), "output_dir": output_dir}
+    values |= given({k: v for k, v in opts.items() if k not in MAPPED_OPTIONS}, defaults.as_dict())
+    return [*(f"{k}={v}" for k, v in groups.items()), *(f"++{k}={hydra_value(v)}" for k, v in values.items())]
 
 
 def validate(args: list[str]) -> dict[str, Any]:

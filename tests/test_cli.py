@@ -6,6 +6,7 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, STORIES, TINYSTORIES, run
@@ -13,6 +14,7 @@ from omegaconf import OmegaConf
 
 from lit_ppl.cli import PerplexityCLI, main, validate
 from lit_ppl.run import evaluate
+from lit_ppl.validate import conf_dir
 
 STORIES_PPL = 6.8972206  # lm-evaluation-harness 0.4.13, rolling, seq_len 512 (see test_parity.py)
 
@@ -103,13 +105,16 @@ def test_calibration_options_are_the_quant_files_keys():
     """The CLI's ``--quant.calibration.*`` options are exactly the keys of ``conf/quant/awq.yaml``'s calibration."""
     from dataclasses import fields
 
-    from lit_ppl.cli import CalibrationOptions, _load
+    from lit_ppl.cli import CalibrationOptions
     from lit_ppl.quant.calibration import DATA_KEYS, CalibrationSpec
 
+    def calibration(preset: str) -> set[str]:
+        return set(OmegaConf.load(Path(conf_dir()) / "quant" / f"{preset}.yaml").calibration)
+
     names = {f.name for f in fields(CalibrationOptions)}
-    assert names == set(_load("quant", "awq")["calibration"])
+    assert names == calibration("awq")
     assert names == {*DATA_KEYS, *(f.name for f in fields(CalibrationSpec) if f.name != "data")} - {"data"}
-    assert set(_load("quant", "gptq")["calibration"]) == names - {"grid"}  # grid is AWQ's scale search
+    assert calibration("gptq") == names - {"grid"}  # grid is AWQ's scale search
 
 
 def test_config_file_then_flags(tmp_path):

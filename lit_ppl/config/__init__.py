@@ -13,7 +13,8 @@ keys. ``python -m lit_ppl.validate --help`` is rendered from the same fields (:f
 
 This module is the config's public face; the parts live in :mod:`lit_ppl.config.values` (allowed values, Trainer
 and logger arguments, per-value checks), :mod:`lit_ppl.config.schema` and :mod:`lit_ppl.config.quant` (the
-dataclasses), :mod:`lit_ppl.config.fields` (walking the schema, one-line errors) and :mod:`lit_ppl.config.help`.
+dataclasses), :mod:`lit_ppl.config.fields` (walking the schema, one-line errors), :mod:`lit_ppl.config.help` and
+:mod:`lit_ppl.config.options` (the Lightning CLI's options, given back as Hydra overrides).
 
 Torch-free on purpose: ``--help`` and ``--cfg job`` import this module, never torch or Lightning.
 """
