@@ -41,8 +41,8 @@ def check_rules(key: str, value: Any) -> None:
         where = f"{key}[{i}]"
         if not isinstance(rule, dict):
             raise ConfigError(f"{where}={rule!r} must be a rule {{role|match, config[, group_size, method]}}")
-        # Validated on a typed copy: quant_plan.rules_from_cfg reads an absent key as "not given", so the rule
-        # itself keeps only the keys the user wrote.
+        # Validated on a typed copy: lit_ppl.quant.plan.rules_from_cfg reads an absent key as "not given" (the
+        # quant node's value), so the rule itself keeps only the keys the user wrote.
         typed = typed_copy(RuleConfig, rule, where)
         if (typed["role"] is None) == (typed["match"] is None):
             raise ConfigError(f"{where} needs exactly one of role (one of {', '.join(QUANT_ROLES)}) or match (a regex)")

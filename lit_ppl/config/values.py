@@ -22,10 +22,10 @@ STRATEGY_NAMES = (
     "hsdp",
     "tp",
     "fsdp_tp",
-)  # lit_ppl.parallel.strategies.STRATEGIES, conf/strategy/
-EVAL_MODES = ("rolling", "sliding", "block", "llamacpp")  # lit_ppl.data.windows.MODES
-DATA_FORMATS = ("auto", "text", "json", "parquet")  # lit_ppl.data.sources.FORMATS
-ENCODING_ERRORS = ("strict", "replace", "ignore")  # lit_ppl.data.sources._ERRORS
+)  # conf/strategy/: one preset each
+EVAL_MODES = ("rolling", "sliding", "block", "llamacpp")  # lit_ppl.data.windows
+DATA_FORMATS = ("auto", "text", "json", "parquet")  # lit_ppl.data.sources
+ENCODING_ERRORS = ("strict", "replace", "ignore")  # lit_ppl.data.sources
 QUANT_SCHEMES = ("none", "int8", "int8dq", "int4")  # lit_ppl.quant.plan.SCHEMES: what one rule applies
 QUANT_NAMES = (*QUANT_SCHEMES, "policy", "auto")  # quant.name: one scheme, per-module rules, or chosen by a budget
 AUTO_SCHEMES = ("none", "int8", "int4")  # quant=auto: the schemes quant.schemes may list

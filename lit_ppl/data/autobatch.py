@@ -15,6 +15,7 @@ CPU a probe far over budget could exhaust the host. The answer is cached in a JS
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -121,18 +122,11 @@ def scorer_batch_runner(scorer: nn.Module, seq_len: int, context: Callable[[], A
     def run(b: int) -> None:
         input_ids = torch.zeros(b, seq_len, dtype=torch.long, device=device)
         index = torch.arange(b * seq_len, device=device)
-        with torch.no_grad(), context() if context is not None else _null():  # as the Trainer runs (validate.py)
+        # As the Trainer steps it: under the precision plugin's val_step_context (PerplexityModule.scorer_probe).
+        with torch.no_grad(), context() if context is not None else contextlib.nullcontext():
             scorer(input_ids, index, torch.zeros_like(index))
 
     return run
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def cache_key(**parts: Any) -> str:

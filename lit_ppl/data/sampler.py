@@ -66,11 +66,6 @@ def share(costs: np.ndarray, world_size: int, weights: Sequence[float] | None = 
     return [np.asarray(s, dtype=np.int64) for s in shards]
 
 
-def shard_by_tokens(lengths: np.ndarray, world_size: int) -> list[np.ndarray]:
-    """:func:`share` of windows by their input tokens, equal weights."""
-    return share(lengths, world_size)
-
-
 def global_batches(lengths: np.ndarray, batch_size: int) -> list[list[int]]:
     """Windows batched once, longest first, independent of any world size (deterministic mode's unit of work).
 

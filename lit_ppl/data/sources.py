@@ -23,10 +23,8 @@ from lit_ppl.config.values import DATA_FORMATS, ENCODING_ERRORS
 from lit_ppl.errors import LitPplError
 
 DEMO_TEXT = "package://lit_ppl.assets/demo.txt"
-FORMATS = DATA_FORMATS
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 _BY_EXTENSION = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # anything else is text
-_ERRORS = ENCODING_ERRORS
 
 
 @dataclass
@@ -70,15 +68,17 @@ class DataSpec:
     builder: str = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise LitPplError(f"data.format={self.format!r} is not one of {', '.join(FORMATS)}")
+        if self.format not in DATA_FORMATS:
+            raise LitPplError(f"data.format={self.format!r} is not one of {', '.join(DATA_FORMATS)}")
         raw = [] if self.path in (None, "") else [self.path] if isinstance(self.path, str) else list(self.path)
         self.paths = expand_paths([str(p) for p in raw])
         if not self.paths and not self.hub_name:
             raise LitPplError("no data: set data.path=FILE (a directory, a glob or a list) or data.hub_name=NAME")
         self.builder = builder_of(self.paths, self.format) if self.paths else "hub"
-        if self.encoding_errors not in _ERRORS:
-            raise LitPplError(f"data.encoding_errors={self.encoding_errors!r} is not one of {', '.join(_ERRORS)}")
+        if self.encoding_errors not in ENCODING_ERRORS:
+            raise LitPplError(
+                f"data.encoding_errors={self.encoding_errors!r} is not one of {', '.join(ENCODING_ERRORS)}"
+            )
         if self.limit is not None and (type(self.limit) is not int or self.limit < 1):
             raise LitPplError(f"data.limit={self.limit!r} must be a positive number of documents or null")
         if self.num_proc is not None and (type(self.num_proc) is not int or self.num_proc < 1):

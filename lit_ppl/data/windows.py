@@ -24,15 +24,11 @@ scored (``first = n_ctx/2``), ``n_ctx − 1 − n_ctx/2`` per chunk. :func:`join
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
 from lit_ppl.config.values import EVAL_MODES
 from lit_ppl.errors import LitPplError
-
-Mode = Literal["rolling", "sliding", "block", "llamacpp"]
-MODES: tuple[str, ...] = EVAL_MODES
 
 
 @dataclass(frozen=True)
@@ -149,8 +145,8 @@ def build_windows(
         [(0, 2, 1), (2, 4, 3), (3, 5, 5)]
     """
     lengths = np.asarray(doc_lengths, dtype=np.int64)
-    if mode not in MODES:
-        raise LitPplError(f"eval.mode={mode!r} is not one of {', '.join(MODES)}")
+    if mode not in EVAL_MODES:
+        raise LitPplError(f"eval.mode={mode!r} is not one of {', '.join(EVAL_MODES)}")
     least = {"sliding": 2, "llamacpp": 3}.get(mode, 1)  # llamacpp: at least one scored position per chunk
     if seq_len < least:
         raise LitPplError(f"eval.seq_len={seq_len} is too small for mode {mode!r} (need >= {least})")

@@ -162,7 +162,7 @@ class ModelSpec:
 
         files = self.files()
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "path"}
-        if fields["gguf_file"] is None:  # the digests of checkpoints before GGUF files were read stay the same
+        if fields["gguf_file"] is None:  # left out when unset: digests already stored (progress, results) still match
             del fields["gguf_file"]
 
         def digest(entries: list) -> str:

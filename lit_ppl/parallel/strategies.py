@@ -17,10 +17,7 @@ from datetime import timedelta
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
-from lit_ppl.config.values import STRATEGY_NAMES
 from lit_ppl.parallel.layout import Layout
-
-STRATEGIES = STRATEGY_NAMES  # the presets under conf/strategy/
 
 
 def precision_args(layout: Layout, precision: str, accelerator: str) -> dict:
