@@ -33,7 +33,8 @@ from lit_ppl.report import loggers
 from lit_ppl.report.progress import TokensPerSecondBar, set_verbose
 from lit_ppl.report.results import build_results, write_hydra_files, write_per_document
 from lit_ppl.report.summary import print_compare_table, print_results_table
-from lit_ppl.runtime.files import first_process, run_lock, write_json_atomic
+from lit_ppl.runtime.files import write_json_atomic
+from lit_ppl.runtime.lock import first_process, run_lock
 from lit_ppl.runtime.threads import set_cpu_threads, use_deterministic_kernels
 
 # Errors that mean "the input was wrong" or "a peer failed": reported as one line, without a traceback. lit-ppl's

@@ -41,6 +41,7 @@ from lit_ppl.parallel.ranks import control_group, peers_alive
 from lit_ppl.runtime.files import atomic_path
 
 _FILE = re.compile(r"rank(\d+)-step(\d+)\.pt$")
+PROGRESS_KEYS = {"fingerprint", "world_size", "step", "plan"}  # what every progress file lit-ppl writes holds
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
@@ -103,6 +104,8 @@ class ResumeCallback(Callback):
         self.plan = plan
         self.start_step = 0
         self._restored: dict[str, Any] | None = None
+        self._own: dict[int, Path] = {}  # step -> lit-ppl's progress file of this rank
+        self._foreign: set[int] = set()  # steps whose file is not lit-ppl's progress: never replaced nor deleted
 
     # -- files ---------------------------------------------------------------------------------------------
     def _files(self, rank: int) -> dict[int, Path]:
@@ -123,20 +126,33 @@ class ResumeCallback(Callback):
             "plan": self.plan.saved(),
             **module.progress_state(),
         }
-        with atomic_path(self.dir / f"rank{rank}-step{step}.pt") as tmp:
+        path = self.dir / f"rank{rank}-step{step}.pt"
+        if step in self._foreign:
+            print(f"lit-ppl: progress not saved at step {step}: {path} is not lit-ppl's to replace", file=sys.stderr)
+            return
+        with atomic_path(path) as tmp:
             torch.save(state, tmp)
-        for old in sorted(self._files(rank))[:-2]:
-            self._files(rank)[old].unlink(missing_ok=True)
+        self._own[step] = path
+        for old in sorted(self._own)[:-2]:
+            self._own.pop(old).unlink(missing_ok=True)
 
     @staticmethod
     def _read(path: Path) -> dict[str, Any] | None:
-        """A progress file's state, or ``None`` (said in one line) for one that cannot be read: truncated by a full
-        disk, or holding objects ``weights_only`` refuses. The older file kept beside it is used instead."""
+        """A progress file's state, or ``None`` (said in one line) for one that cannot be read — truncated, or
+        holding objects ``weights_only`` refuses — or that is not lit-ppl's. The older file kept beside it is used
+        instead; the file itself is left in place, since nothing proves lit-ppl wrote it."""
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError... for a bad file
-            print(f"lit-ppl: ignoring progress file {path}: it cannot be read ({first_line(err)})", file=sys.stderr)
+            print(
+                f"lit-ppl: ignoring progress file {path}: it cannot be read ({first_line(err)}); left in place",
+                file=sys.stderr,
+            )
             return None
+        if not isinstance(state, dict) or not state.keys() >= PROGRESS_KEYS:
+            print(f"lit-ppl: ignoring {path}: it holds no lit-ppl progress; left in place", file=sys.stderr)
+            return None
+        return state
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -149,6 +165,9 @@ class ResumeCallback(Callback):
             state = self._read(path)
             if state is not None:
                 mine[step], states[step] = path, state
+            else:
+                self._foreign.add(step)
+        self._own = dict(mine)  # lit-ppl's progress (this run's or another's): what it may replace and delete
         group = control_group()
         everyone = [None] * trainer.world_size
         if group is not None:
@@ -202,5 +221,5 @@ class ResumeCallback(Callback):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The run is complete and its results are in memory: progress files would only mislead a rerun.
-        for path in self._files(trainer.global_rank).values():
+        for path in self._own.values():
             path.unlink(missing_ok=True)

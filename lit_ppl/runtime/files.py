@@ -7,6 +7,7 @@ Slurm job of a sweep, or two ranks) each replace it whole: a reader never sees h
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -28,7 +29,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as err:
         # Name the file the caller asked for, not a temp name it never heard of (OSError picks the subclass).
-        raise OSError(err.errno, err.strerror, str(path)) from err
+        raise no_space(err, path) or OSError(err.errno, err.strerror, str(path)) from err
     os.close(fd)
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide results from others on shared storage
@@ -36,9 +37,21 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and (space := no_space(err, path)) is not None:
+            raise space from err
         raise
+
+
+def no_space(err: OSError, path: str | Path) -> LitPplError | None:
+    """A full disk (or quota) met while writing ``path``, as one line naming its directory; ``None`` for another
+    error."""
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    path = Path(path)
+    where = path if path.is_dir() else path.parent
+    return LitPplError(f"no space left in {where} ({err.strerror}) while writing {path.name}; free space there")
 
 
 def _umask() -> int:
@@ -59,19 +72,6 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
     return write_text_atomic(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
 
 
-RUN_LOCK = ".lit_ppl.lock"
-
-
-def first_process() -> bool:
-    """Whether this process is the run's first (global rank 0), from the launchers' variables alone: the lock below
-    is taken before any process group exists (torchrun's ``RANK``, Slurm's ``SLURM_PROCID``, Lightning's relaunched
-    ``NODE_RANK``/``LOCAL_RANK``)."""
-    for name in ("RANK", "SLURM_PROCID"):
-        if os.environ.get(name) is not None:
-            return os.environ[name] == "0"
-    return os.environ.get("NODE_RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
-
-
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` exists on this host."""
     try:
@@ -81,49 +81,6 @@ def process_alive(pid: int) -> bool:
     except PermissionError:  # someone else's process
         return True
     return True
-
-
-@contextlib.contextmanager
-def run_lock(directory: Path, holder: bool) -> Iterator[None]:
-    """``directory/.lit_ppl.lock`` while a run writes there (only ``holder``, the run's first process, takes it): a
-    second run into the same ``output_dir`` is refused in one line instead of racing the first's files. A lock
-    left by a process that is gone (on this host) or by an earlier attempt of the same Slurm job is taken over."""
-    import socket
-
-    if not holder:
-        yield
-        return
-    lock = directory / RUN_LOCK
-    mine = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job": os.environ.get("SLURM_JOB_ID")}
-    for _ in range(3):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                owner = json.loads(lock.read_text())
-            except (OSError, ValueError):
-                owner = {}
-            same_host = owner.get("host") == mine["host"]
-            gone = same_host and isinstance(owner.get("pid"), int) and not process_alive(owner["pid"])
-            requeued = mine["slurm_job"] is not None and owner.get("slurm_job") == mine["slurm_job"]
-            if not (gone or requeued or (owner.get("pid") == mine["pid"] and same_host)):
-                raise LitPplError(
-                    f"output_dir={str(directory)!r} is in use by another run ({owner.get('host')} pid "
-                    f"{owner.get('pid')}); give another output_dir, or delete {lock} if that run is gone"
-                ) from None
-            lock.unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(mine, f)
-        break
-    else:  # taken over and retaken by others three times over: not ours to take
-        raise LitPplError(f"output_dir={str(directory)!r}: could not take {lock}; another run keeps taking it")
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError, ValueError):
-            if json.loads(lock.read_text()) == mine:
-                lock.unlink()
 
 
 def shared_npy(path: str | Path, shape: tuple[int, ...], dtype: Any) -> Any:
