@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import hydra
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, OverrideParseException
 from hydra.types import RunMode
@@ -122,7 +123,7 @@ def entry(hydra_main: Callable[[], Any] = main) -> None:
     except config.ConfigError as err:
         print(f"lit-ppl: error: {err}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
-    except (ConfigCompositionException, OverrideParseException) as err:
+    except (ConfigCompositionException, OverrideParseException, yaml.YAMLError) as err:  # YAML: a file's syntax
         print(f"lit-ppl: error: {config.error_line(err)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     except OSError as err:  # the task reports its own errors: this is Hydra creating or writing the run directory

@@ -1,7 +1,8 @@
 import torch
 from torch import nn
 
-from lit_ppl.model.spec import ModelSpec, key_problem, parameters_on_meta
+from lit_ppl.model.checkpoint import key_problem
+from lit_ppl.model.spec import ModelSpec, parameters_on_meta
 from lit_ppl.parallel.sharding import unloaded
 
 

@@ -21,6 +21,7 @@ Torch-free on purpose: ``--help`` and ``--cfg job`` import this module, never to
 
 from __future__ import annotations
 
+import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -86,6 +87,9 @@ def error_line(err: BaseException) -> str:
             return str(seen).strip().splitlines()[0]
         if isinstance(seen, OmegaConfBaseException):
             return omegaconf_line(seen, ValidateConfig)
+        if isinstance(seen, yaml.MarkedYAMLError) and seen.problem_mark is not None:
+            mark = seen.problem_mark
+            return f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML ({seen.problem})"
         seen = seen.__cause__ or seen.__context__
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 

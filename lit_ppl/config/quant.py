@@ -28,6 +28,7 @@ from lit_ppl.config.values import (
     ConfigError,
     check_calibration,
     check_paths,
+    check_regex,
     meta,
 )
 
@@ -105,7 +106,9 @@ class RuleConfig:
     """One rule of ``quant.rules`` (``quant=policy``); only used to check a rule, which stays as written."""
 
     role: str | None = field(default=None, metadata=meta("a role (or match)", choices=QUANT_ROLES))
-    match: str | None = field(default=None, metadata=meta("a regex searched in the module name (or role)"))
+    match: str | None = field(
+        default=None, metadata=meta("a regex searched in the module name (or role)", check=check_regex)
+    )
     config: str = field(default="none", metadata=meta("the scheme", choices=QUANT_SCHEMES))
     group_size: int | None = field(
         default=None, metadata=meta("int4 group size (default: quant.group_size)", choices=GROUP_SIZES)

@@ -9,6 +9,8 @@ cannot type (unions, Trainer and logger arguments, a calibrated method without i
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -247,6 +249,8 @@ def check_auto(key: str, value: dict[str, Any]) -> None:
     ((name, limit),) = budget.items()
     if not limit > 0:
         raise ConfigError(f"{key}.budget.{name}={limit!r} must be a positive number")
+    if limit == math.inf:
+        raise ConfigError(f"{key}.budget.{name}={limit!r} must be a finite number > 0")
     schemes = list(value.get("schemes") or [])
     bad = [s for s in schemes if s not in AUTO_SCHEMES]
     if bad or not schemes or len(set(schemes)) != len(schemes) or schemes == ["none"]:
@@ -254,6 +258,16 @@ def check_auto(key: str, value: dict[str, Any]) -> None:
             f"{key}.schemes={schemes!r} must list distinct schemes among {', '.join(AUTO_SCHEMES)}, "
             "at least one of them quantized"
         )
+
+
+def check_regex(key: str, value: Any) -> None:
+    """A regex ``re`` compiles (``None`` passes: not given)."""
+    if value is None:
+        return
+    try:
+        re.compile(value)
+    except (re.error, TypeError) as err:
+        raise ConfigError(f"{key}={value!r} is not a valid regular expression ({err})") from None
 
 
 def unknown_key(key: str, valid: Iterable[str]) -> str:

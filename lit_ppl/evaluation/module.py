@@ -14,8 +14,9 @@ from lit_ppl.data.batch_plan import ScorerProbe
 from lit_ppl.errors import LitPplError
 from lit_ppl.evaluation.reference import TokenOutputs
 from lit_ppl.metrics.perplexity import NLLBreakdown, Perplexity
+from lit_ppl.model.checkpoint import key_problem
 from lit_ppl.model.scorer import TokenScorer, check_scorer
-from lit_ppl.model.spec import ModelSpec, key_problem
+from lit_ppl.model.spec import ModelSpec
 from lit_ppl.parallel.layout import Layout
 from lit_ppl.parallel.ranks import check_peers, control_group
 from lit_ppl.parallel.sharding import (

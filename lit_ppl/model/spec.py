@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lit_ppl.errors import LitPplError, first_line
+from lit_ppl.model.checkpoint import check_safetensors, key_problem, without_load_report
 from lit_ppl.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 BUILTIN = "builtin"
@@ -199,6 +200,12 @@ class ModelSpec:
             return ByteTokenizer.vocab_size, self.max_positions
         from transformers import AutoConfig
 
+        root = Path(self.location).expanduser()
+        if root.is_dir():  # local files, damaged or cut short (an interrupted download): one line before any is read
+            if self.gguf_file is not None:
+                self.stored_quantization()  # gguf's own reader checks the header and every tensor's extent
+            else:
+                check_safetensors(self.path, root)
         cfg = self._from_pretrained(AutoConfig, "has no config transformers can read")
         self.stored_quantization()  # a quantized format this installation cannot run: one line now
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -281,13 +288,15 @@ class ModelSpec:
             model = model.to(dtype)
         else:
             placement = {} if device is None else {"device_map": {"": str(device)}}
-            model, info = self._from_pretrained(
-                AutoModelForCausalLM,
-                "is not a causal LM transformers can load",
-                dtype=dtype,
-                output_loading_info=True,
-                **placement,
-            )
+            with without_load_report():
+                model, info = self._from_pretrained(
+                    AutoModelForCausalLM,
+                    "is not a causal LM transformers can load",
+                    dtype=dtype,
+                    output_loading_info=True,
+                    ignore_mismatched_sizes=True,  # a tensor of the wrong shape is reported, then refused below
+                    **placement,
+                )
             self.check_loading(info)
         return model.eval().requires_grad_(False)
 
@@ -297,29 +306,11 @@ class ModelSpec:
         transformers initialises a missing tensor at random and drops an unexpected one, with a log line at
         most: either way the perplexity would be that of another model.
         """
-        mismatched = [k for k, *_ in info.get("mismatched_keys") or []]
+        mismatched = info.get("mismatched_keys") or []
+        mismatched = [f"{k} (checkpoint {list(theirs)}, model {list(ours)})" for k, theirs, ours in mismatched]
         problem = key_problem(self.path, info.get("missing_keys") or [], info.get("unexpected_keys") or [], mismatched)
         if problem:
             raise LitPplError(problem)
-
-
-def key_problem(
-    path: str, missing: Iterable[str], unexpected: Iterable[str], mismatched: Iterable[str] = ()
-) -> str | None:
-    """One line naming what a checkpoint lacks, has in excess or has in the wrong shape (``None`` if nothing)."""
-    for keys, what in (
-        (missing, "lacks"),
-        (unexpected, "has tensors the model does not use:"),
-        (mismatched, "has tensors of the wrong shape:"),
-    ):
-        keys = sorted(keys)
-        if keys:
-            more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
-            return (
-                f"model.path={path!r}: the checkpoint {what} {', '.join(keys[:5])}{more}; give a complete checkpoint "
-                "of this architecture"
-            )
-    return None
 
 
 @contextmanager

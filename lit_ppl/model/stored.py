@@ -6,9 +6,12 @@ dequantized to describe it); a Hugging Face checkpoint's ``quantization_config``
 
 from __future__ import annotations
 
+import struct
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from lit_ppl.errors import LitPplError, first_line
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # GGML types that are not quantized
 
@@ -18,7 +21,13 @@ def gguf_description(path: Path) -> dict[str, Any]:
     and block size, in the ``results.json["quant"]`` shape (``source: checkpoint``)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
-    reader = GGUFReader(str(path))
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, OverflowError, struct.error) as err:  # what its parser meets
+        raise LitPplError(
+            f"{path} is not a readable GGUF file ({path.stat().st_size} bytes; gguf: {first_line(err)}): its header "
+            "is damaged or the file is cut short; download it again"
+        ) from None
     types: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
     modules: dict[str, str] = {}
@@ -67,8 +76,6 @@ def hf_description(path: str, root: Path, quantization_config: dict[str, Any]) -
     import importlib.util
 
     import torch
-
-    from lit_ppl.errors import LitPplError
 
     method = str(quantization_config.get("quant_method", "unknown"))
     if method in _NEEDS:

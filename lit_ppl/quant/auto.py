@@ -89,9 +89,10 @@ def measure_layers(
     return table, passes
 
 
-def load_table(path: str, fingerprint: dict[str, Any]) -> Table:
+def load_table(path: str, fingerprint: dict[str, Any], measured: dict[str, list[str]]) -> Table:
     """The sensitivities of an earlier ``quant=auto`` run (its ``results.json`` or directory), if they were measured
-    for this model, calibration text and schemes (``fingerprint``), else one line saying what differs."""
+    for this model, calibration text and schemes (``fingerprint``) and hold a finite measurement (KLD >= 0) of
+    every candidate of ``measured`` (layer -> its schemes), else one line saying what differs or is wrong."""
     import json
 
     file = Path(path).expanduser()
@@ -99,18 +100,42 @@ def load_table(path: str, fingerprint: dict[str, Any]) -> Table:
     try:
         auto = json.loads(file.read_text())["quant"]["auto"]
         theirs, table = auto["fingerprint"], auto["sensitivity"]
+        if not isinstance(theirs, dict) or not isinstance(table, dict):
+            raise TypeError("its quant.auto.fingerprint and quant.auto.sensitivity must be objects")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise LitPplError(
             f"quant.sensitivity={path!r} is not the results.json of a quant=auto run ({type(err).__name__}: {err})"
         ) from None
     for key, mine in fingerprint.items():
         other = theirs.get(key)
-        same = math.isclose(mine, other, rel_tol=1e-9) if key == "nll" and other is not None else mine == other
+        number = isinstance(other, int | float) and not isinstance(other, bool)
+        same = math.isclose(mine, other, rel_tol=1e-9) if key == "nll" and number else mine == other
         if not same:
             raise LitPplError(
                 f"quant.sensitivity={path!r} was measured with {key}={other!r}, this run has {mine!r}: measure again "
                 "(quant.sensitivity=null)"
             )
+    extra = sorted(set(table) - set(measured))
+    if extra:
+        raise LitPplError(f"quant.sensitivity={path!r} measures {extra[0]}, which is no candidate layer of this model")
+    for layer, kinds in measured.items():
+        row = table.get(layer)
+        if not isinstance(row, dict) or sorted(row) != sorted(kinds):
+            raise LitPplError(
+                f"quant.sensitivity={path!r} holds {sorted(row) if isinstance(row, dict) else row!r} for {layer}, "
+                f"not one measurement per scheme {kinds}: it is damaged or edited; measure again "
+                "(quant.sensitivity=null)"
+            )
+        for kind in kinds:
+            entry = row[kind] if isinstance(row[kind], dict) else {}
+            for name, least in (("kld", 0.0), ("nll_delta", -math.inf)):
+                value = entry.get(name)
+                if isinstance(value, bool) or not isinstance(value, int | float) or not least <= value < math.inf:
+                    what = "a finite number >= 0" if least == 0 else "a finite number"
+                    raise LitPplError(
+                        f"quant.sensitivity={path!r}: {layer} {kind} {name}={value!r} is not {what}: the table is "
+                        "damaged or edited; measure again (quant.sensitivity=null)"
+                    )
     return table
 
 
@@ -173,17 +198,19 @@ def choose_policy(
     if not any(len(u) > 1 for u in unit_options(lm, candidates, kinds, table, keep_none)):
         pass  # one option per layer (e.g. quant.schemes=[int8]): nothing to choose, only the whole to measure
     elif cfg["sensitivity"]:
-        table = load_table(cfg["sensitivity"], fingerprint)
+        measured = {n: [k for k in kinds if candidates.scheme(n, k) is not None] for n in layers}
+        table = load_table(cfg["sensitivity"], fingerprint, measured)
     else:
         table, passes = measure_layers(lm, candidates, probe, kinds, world_size)
     t2 = time.perf_counter()
     options = unit_options(lm, candidates, kinds, table, keep_none)
     floor = sum(min(o.cost(budget) for o in unit) for unit in options)
     if floor > budget.limit:
+        reused = f" from quant.sensitivity={cfg['sensitivity']!r}" if cfg["sensitivity"] and table else ""
         raise LitPplError(
             f"quant.budget.{budget.metric}={budget.value:g} cannot be met with quant.schemes={list(cfg['schemes'])}: "
-            f"the least reachable on the calibration text is {budget.shown(floor):.4g} (predicted); raise the budget "
-            "or add none to quant.schemes"
+            f"the least reachable on the calibration text is {budget.shown(floor):.4g} (predicted{reused}); raise the "
+            "budget or add none to quant.schemes"
         )
     rounds, target, chosen, tried = [], budget.limit, None, set()
     for _ in range(ROUNDS):

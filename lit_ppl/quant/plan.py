@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lit_ppl.config.quant import quant_node
-from lit_ppl.config.values import GROUP_SIZES, INT4_BACKENDS, QUANT_METHODS, QUANT_SCHEMES, QUANT_SOURCES
+from lit_ppl.config.values import GROUP_SIZES, INT4_BACKENDS, QUANT_METHODS, QUANT_SCHEMES, QUANT_SOURCES, check_regex
 from lit_ppl.errors import LitPplError
 from lit_ppl.quant.targets import ROLES, Target, find_targets, foreign_forward
 
@@ -62,10 +62,12 @@ class Rule:
     role: str | None = None
     why: str = ""
     method: str = "rtn"
+    given: str | None = None  # where a rule the user wrote sits (quant.rules[i]): it must match some layer
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise LitPplError(f"quant.method={self.method!r} ({self.why or 'rule'}) is not one of {', '.join(METHODS)}")
+        check_regex(f"{self.given or 'quant.rules'}.match", self.match)
 
     def matches(self, name: str, roles: set[str]) -> bool:
         return (self.match is not None and re.search(self.match, name) is not None) or self.role in roles
@@ -87,7 +89,7 @@ def rules_from_cfg(cfg: dict[str, Any]) -> list[Rule]:
                 raise LitPplError(f"quant.rules[{i}].role={r['role']!r} is not one of {', '.join(ROLES)}")
             scheme = Scheme(r.get("config", "none"), r.get("group_size", cfg["group_size"]))
             why = f"rule {i} ({r.get('role') or r.get('match')})"
-            rules.append(Rule(scheme, r.get("match"), r.get("role"), why, r.get("method", method)))
+            rules.append(Rule(scheme, r.get("match"), r.get("role"), why, r.get("method", method), f"quant.rules[{i}]"))
         if not rules:
             raise LitPplError("quant=policy needs quant.rules: a list of {role|match, config[, group_size]}")
         return rules
@@ -142,6 +144,13 @@ def plan(
     ``fallback``: an int4 layer whose input features the group size does not divide takes the largest group size
     below it that does (:func:`fit_group`), recorded in its entry; otherwise it stays in full precision, listed."""
     targets = find_targets(lm)
+    for rule in rules:
+        if rule.given and not any(rule.matches(name, set(t.roles)) for name, t in targets.items()):
+            what = f"role={rule.role!r}" if rule.role else f"match={rule.match!r}"
+            raise LitPplError(
+                f"{rule.given} ({what}) matches no layer of {type(lm).__name__} (its layers are named like "
+                f"{', '.join(list(targets)[:2]) or 'none'}): fix the rule or remove it"
+            )
     decided: dict[str, tuple[Scheme, Rule | None]] = {}
     for name, target in targets.items():
         rule = next((r for r in rules if r.matches(name, set(target.roles))), None)

@@ -75,9 +75,12 @@ def quantize(w: np.ndarray, qtype) -> np.ndarray:
     return quantize_q4_k(w) if qtype == GGMLQuantizationType.Q4_K else quants.quantize(w, qtype)
 
 
-def write_gguf(root: Path, tokenizer_dir: Path, qtype_name: str, seed: int = 0) -> tuple[Path, Path]:
+def write_gguf(
+    root: Path, tokenizer_dir: Path, qtype_name: str, seed: int = 0, halve: str | None = None
+) -> tuple[Path, Path | None]:
     """A GGUF file of a seeded tiny Llama quantized to ``qtype_name`` (its 2-D weights; norms stay F32) and the
-    plain checkpoint of its dequantized weights. Returns ``(gguf_file, reference_dir)``."""
+    plain checkpoint of its dequantized weights. Returns ``(gguf_file, reference_dir)``. ``halve`` names a tensor
+    (as transformers names it) written with half its rows: a file with a tensor of the wrong shape."""
     import gguf
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -106,9 +109,11 @@ def write_gguf(root: Path, tokenizer_dir: Path, qtype_name: str, seed: int = 0) 
     for hf_name, tensor in model.state_dict().items():
         base, suffix = hf_name.rsplit(".", 1)
         w = tensor.numpy().astype(np.float32)
+        if hf_name == halve:
+            w = w[: len(w) // 2]
         if w.ndim == 1:  # norms: F32 in every llama.cpp file
             writer.add_tensor(names.get_name(base) + "." + suffix, w)
-            dequantized[hf_name] = tensor
+            dequantized[hf_name] = torch.from_numpy(w)
             continue
         q = quantize(w, qtype)
         # Quantization is per row, so permuting rows commutes with it: the reference needs no permutation.
@@ -121,6 +126,8 @@ def write_gguf(root: Path, tokenizer_dir: Path, qtype_name: str, seed: int = 0) 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if halve is not None:  # no model has these shapes: no reference either
+        return path, None
 
     model.load_state_dict(dequantized)
     ref = root / f"dequantized-{qtype_name}"
