@@ -142,7 +142,8 @@ def test_a_full_output_dir_is_one_line_and_leaves_no_lock(tmp_path, compose):
     from lit_ppl.run import evaluate
 
     with _tiny_filesystem(tmp_path / "full") as full:
-        with pytest.raises(LitPplError, match=rf"^no space left in {full} \(No space left on device\)"):
+        full_disk = rf"^no space left in {full} \(No space left on device\) while writing \.lit_ppl\.lock; free"
+        with pytest.raises(LitPplError, match=full_disk):
             evaluate(compose(f"output_dir={full}", "eval.seq_len=32", "data.limit=2"))
         assert sorted(p.name for p in full.iterdir()) == ["filler"], "no lock, no temp file"
         (full / "filler").unlink()

@@ -146,7 +146,7 @@ def _write_record(directory: Path, record: dict[str, Any]) -> Path:
 
 
 def _unwritable(directory: Path, err: OSError) -> Exception:
-    if (space := no_space(err, directory)) is not None:
+    if (space := no_space(err, directory / RUN_LOCK)) is not None:
         return space
     return LitPplError(f"output_dir={str(directory)!r}: cannot write its lock {RUN_LOCK} ({err.strerror or err})")
 
