@@ -180,3 +180,20 @@ def test_progress_files_lit_ppl_did_not_write_are_left_in_place(tmp_path, compos
     assert f"ignoring {tensor}: it holds no lit-ppl progress; left in place" in err
     assert f"progress not saved at step 2: {garbage} is not lit-ppl's to replace" in err
     assert "Traceback" not in err
+
+
+def test_the_holder_keeps_its_lock_fresh_and_says_when_it_lost_it(tmp_path, monkeypatch, capsys):
+    """The heartbeat is what another host reads: the holder touches its lock, and stops (saying so) once the lock is
+    someone else's."""
+    from lit_ppl.runtime import lock as locks
+
+    monkeypatch.setattr(locks, "HEARTBEAT_S", 0.05)
+    path = tmp_path / RUN_LOCK
+    with run_lock(tmp_path, True):
+        os.utime(path, (time.time() - 3600,) * 2)
+        time.sleep(0.5)
+        assert time.time() - path.stat().st_mtime < 5, "touched again"
+        path.write_text(json.dumps({**holder_record(), "host": "node-b", "pid": 7}))
+        time.sleep(0.5)
+    assert f"{path} was taken over by node-b pid 7 while this run held it" in capsys.readouterr().err
+    assert json.loads(path.read_text())["host"] == "node-b", "the new holder's lock is not removed"

@@ -248,10 +248,11 @@ def _heartbeat(lock: Path, token: str, stop: threading.Event) -> None:
     while not stop.wait(HEARTBEAT_S):
         found = read_lock(lock)
         if found is None or (found[0] or {}).get("token") != token:
-            owner = (found or (None,))[0] or {}
+            owner = (found[0] or {}) if found else {}
+            what = f"taken over by {owner.get('host')} pid {owner.get('pid')}" if found else "deleted"
             print(
-                f"lit-ppl: warning: {lock} was taken over by {owner.get('host')} pid {owner.get('pid')} while this "
-                "run held it (its heartbeat looked stopped): two runs may now write to that output_dir",
+                f"lit-ppl: warning: {lock} was {what} while this run held it: another run may now write to that "
+                "output_dir too",
                 file=sys.stderr,
             )
             return
