@@ -198,8 +198,8 @@ def choose_policy(
     if not any(len(u) > 1 for u in unit_options(lm, candidates, kinds, table, keep_none)):
         pass  # one option per layer (e.g. quant.schemes=[int8]): nothing to choose, only the whole to measure
     elif cfg["sensitivity"]:
-        measured = {n: [k for k in kinds if candidates.scheme(n, k) is not None] for n in layers}
-        table = load_table(cfg["sensitivity"], fingerprint, measured)
+        expected = {n: [k for k in kinds if candidates.scheme(n, k) is not None] for n in layers}
+        table = load_table(cfg["sensitivity"], fingerprint, expected)
     else:
         table, passes = measure_layers(lm, candidates, probe, kinds, world_size)
     t2 = time.perf_counter()
@@ -227,7 +227,9 @@ def choose_policy(
         if cost <= budget.limit:
             chosen = picked
             break
-        target *= SHRINK * budget.limit / cost
+        # Below this assignment's own prediction, scaled by how far the whole overshot it: the next round must
+        # choose another (a target that only shrinks from the budget may still admit the same one).
+        target = min(target, predicted) * SHRINK * budget.limit / cost
     if chosen is None:
         # No round at all: costs rounded up to the budget's steps left no assignment within it (floor is close).
         best, how = min(((r["measured"], "measured") for r in rounds), default=(budget.shown(floor), "predicted"))
