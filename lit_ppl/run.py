@@ -197,7 +197,10 @@ def write_outputs(plan: Plan, results: dict[str, Any], module: PerplexityModule)
     if results.get("compare"):
         print_compare_table(results["compare"])
     if module.spec.is_builtin:
-        print("note: the built-in model has random weights, so its perplexity is near its vocabulary size (258).")
+        print(
+            "note: the built-in model has random weights, so its perplexity is near its vocabulary size (258); "
+            "model=demo data=alice evaluates a real one (README: Two commands)."
+        )
     print(f"results: {path}")
 
 

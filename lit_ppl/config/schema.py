@@ -191,8 +191,8 @@ class ReportConfig:
 class ValidateConfig:
     """The whole config of ``python -m lit_ppl.validate`` (``conf/validate.yaml``)."""
 
-    model: ModelConfig = field(default_factory=ModelConfig, metadata=meta("model=builtin|hf"))
-    data: DataConfig = field(default_factory=DataConfig, metadata=meta("data=demo|text|wikitext2"))
+    model: ModelConfig = field(default_factory=ModelConfig, metadata=meta("model=builtin|demo|hf"))
+    data: DataConfig = field(default_factory=DataConfig, metadata=meta("data=demo|alice|text|wikitext2"))
     eval: EvalConfig = field(default_factory=EvalConfig, metadata=meta("eval=rolling|sliding|block|llamacpp"))
     trainer: dict[str, Any] = field(
         default_factory=dict, metadata=meta("Lightning Trainer arguments", check=check_trainer)
