@@ -182,6 +182,9 @@ class ReportConfig:
         default=None, metadata=meta("also write per_document.{csv,parquet}", choices=PER_DOCUMENT_FORMATS)
     )
     plots: bool = field(default=True, metadata=meta("nll_by_position.png"))
+    html: bool = field(
+        default=True, metadata=meta("report.html: the numbers, charts and the text shaded token by token (offline)")
+    )
     per_token: bool = field(
         default=False, metadata=meta("also write per_token.npy (float32 NLL per token, corpus order) and its index")
     )
