@@ -8,12 +8,14 @@ import re
 
 import numpy as np
 import pytest
+import torch
 from conftest import STORIES, TINYSTORIES, require_shared
 from helpers.browser import chromium
 from helpers.runs import evaluate_overrides
 
 from lit_ppl.data.windows import build_windows, sample_pages, token_offsets
 from lit_ppl.evaluation.pages import BUDGET, PAGE
+from lit_ppl.metrics.sample import TokenSample
 from lit_ppl.report.html import run_page
 from lit_ppl.report.runs import main as report_main
 
@@ -108,3 +110,22 @@ def test_a_million_token_corpus_gives_a_page_of_bounded_size(runs):
     }
     size = len(run_page(runs["int8"], text).encode())
     assert 100_000 < size < 5 * 2**20, size
+
+
+def test_token_sample_keeps_exactly_the_sampled_tokens_at_any_world_size():
+    """Batches of a 1M-token corpus dealt to 1 or 3 "ranks", merged as a sync sums: each sampled token's values."""
+    first = np.arange(0, 1_000_001, 500)  # 2,000 windows of 500 scored tokens
+    pages = sample_pages(first, BUDGET, PAGE)
+    wanted = np.concatenate([np.arange(a, a + n) for a, n in pages[:, 1:]])
+    merged = []
+    for ranks in (1, 3):
+        metrics = [TokenSample(pages[:, 1:], ("nll", "target")) for _ in range(ranks)]
+        for step, start in enumerate(range(0, 1_000_000, 4096)):
+            index = torch.arange(start, min(start + 4096, 1_000_000))
+            metrics[step % ranks].update(index, nll=index.double() * 1e-3, target=index % 49_152)
+        for other in metrics[1:]:
+            metrics[0].merge_state(other)
+        merged.append(metrics[0].compute())
+    for values in merged:
+        assert np.array_equal(values["target"].numpy(), wanted % 49_152)
+        assert np.array_equal(values["nll"].numpy(), wanted * 1e-3)

@@ -32,27 +32,27 @@ class TokenSample(Metric):
         pages = np.asarray(pages, dtype=np.int64).reshape(-1, 2)
         self.fields = fields
         self.size = int(pages[:, 1].sum())
-        self._ranges = {
-            "cpu": torch.from_numpy(np.stack([pages[:, 0], pages[:, 1], np.cumsum(pages[:, 1]) - pages[:, 1]]))
-        }
+        rows = torch.from_numpy(np.stack([pages[:, 0], pages[:, 1], np.cumsum(pages[:, 1]) - pages[:, 1]], axis=1))
+        self._ranges = {"cpu": (rows[:, 0].contiguous(), rows)}
         # One slot per sampled token, plus one that takes every other token's values and is never read.
         self.add_state(
             "values", default=torch.zeros(len(fields), self.size + 1, dtype=torch.float64), dist_reduce_fx="sum"
         )
 
-    def _on(self, device: torch.device) -> Tensor:
+    def _on(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The pages' first tokens ``(k,)`` and rows of (first token, tokens, first slot) ``(k, 3)`` on ``device``."""
         key = str(device)
         if key not in self._ranges:  # made once per device: a step costs no host-to-device copy
-            self._ranges[key] = self._ranges["cpu"].to(device)
+            self._ranges[key] = tuple(t.to(device) for t in self._ranges["cpu"])
         return self._ranges[key]
 
     def update(self, token_index: Tensor, **values: Tensor) -> None:
         """Keep the values of the batch's sampled tokens (``token_index``: corpus order); no host sync."""
-        start, count, slot0 = self._on(token_index.device)
-        page = (torch.searchsorted(start, token_index, right=True) - 1).clamp_min(0)
-        offset = token_index - start[page]
-        inside = (offset >= 0) & (offset < count[page])
-        slot = torch.where(inside, slot0[page] + offset, self.size)
+        starts, ranges = self._on(token_index.device)
+        page = (torch.searchsorted(starts, token_index, right=True) - 1).clamp_min(0)
+        start, count, slot0 = ranges.index_select(0, page).unbind(1)  # one gather of whole rows
+        offset = token_index - start
+        slot = torch.where((offset >= 0) & (offset < count), slot0 + offset, self.size)
         rows = torch.stack([values[f].detach().to(torch.float64) for f in self.fields])
         self.values.index_copy_(1, slot, rows)
 

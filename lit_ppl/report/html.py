@@ -181,7 +181,8 @@ def auto_section(auto: dict[str, Any], measured: float | None) -> str:
         points.append((auto["bytes"] * mib, measured, "chosen (evaluated text)", 3))
     chart = points_chart(points, "MiB of the quantizable layers' weights", "mean KLD", "quant=auto frontier")
     note = (
-        f"Budget {auto['budget']}; {auto['bytes']:,} of {auto['bytes_full_precision']:,} bytes. Hover a cell for its "
+        f"Budget: {' '.join(f'{k} ≤ {v:g}' for k, v in auto['budget'].items())}; {auto['bytes']:,} of "
+        f"{auto['bytes_full_precision']:,} bytes. Hover a cell for its "
         "scheme and what each scheme costs alone."
     )
     return section("quant=auto: the choice per layer and the frontier", "".join(grid), chart, note=note)

@@ -106,8 +106,8 @@ def print_compare_table(compare: dict[str, Any]) -> None:
             rows.append(
                 (
                     f"  base top-1 p in [{lo:.2f}, {hi:.2f}{']' if hi == 1 else ')'}",
-                    f"{100 * b['share']:.1f}% of tokens · KLD {b['kld_mean']:.4g} · reverse {b['kld_rev_mean']:.4g} · "
-                    f"same top-1 {100 * b['same_top']:.1f}%",
+                    f"{100 * b['share']:.1f}% · KLD {b['kld_mean']:.3g} · rev {b['kld_rev_mean']:.3g} · "
+                    f"top-1 {100 * b['same_top']:.1f}%",
                 )
             )
     for name, value in rows:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from html import escape
 
 W, H = 720, 280  # the drawing, in CSS pixels
-LEFT, RIGHT, TOP, BOTTOM = 64, 16, 14, 44
+LEFT, RIGHT, TOP, BOTTOM = 64, 16, 26, 44  # the legend goes above the frame
 COLOURS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2")
 
 
@@ -137,29 +137,25 @@ def bar_chart(
     if k > 1:
         for j, key in enumerate(series):
             x = LEFT + 10 + j * 150
-            parts.append(f'<rect x="{x}" y="{TOP + 6}" width="10" height="10" fill="{COLOURS[j % len(COLOURS)]}"/>')
-            parts.append(f'<text x="{x + 14}" y="{TOP + 15}">{escape(key)}</text>')
+            parts.append(f'<rect x="{x}" y="6" width="10" height="10" fill="{COLOURS[j % len(COLOURS)]}"/>')
+            parts.append(f'<text x="{x + 14}" y="15">{escape(key)}</text>')
     return _svg(parts, title)
 
 
 def points_chart(
     points: Sequence[tuple[float, float, str, int]], x_label: str, y_label: str, title: str, log_y: bool = False
 ) -> str:
-    """Labelled points ``(x, y, label, series)``; each series' points joined in x order."""
+    """Labelled points ``(x, y, label, series)``, coloured by series."""
     shown = [p for p in points if not log_y or p[1] > 0]
     axes = Axes([p[0] for p in shown], [p[1] for p in shown], False, log_y, True)
     parts = axes.frame(x_label, y_label)
-    for s in sorted({p[3] for p in shown}):
-        mine = sorted((p for p in shown if p[3] == s), key=lambda p: p[0])
-        colour = COLOURS[s % len(COLOURS)]
-        if len(mine) > 1:
-            line = _path(axes, [(p[0], p[1]) for p in mine])
-            parts.append(f'<path d="{line}" class="line" stroke="{colour}"/>')
-        for x, y, name, _ in mine:
-            cx, cy = axes.x(x), axes.y(y)
-            tip = f"{name}: {label(x)}, {y:.4g}"
-            parts.append(
-                f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="5" fill="{colour}" class="point"><title>{escape(tip)}</title>'
-                f'</circle><text x="{cx + 7:.1f}" y="{cy - 7:.1f}" class="small">{escape(name)}</text>'
-            )
+    for x, y, name, series in shown:
+        cx, cy = axes.x(x), axes.y(y)
+        colour, tip = COLOURS[series % len(COLOURS)], f"{name}: {label(x)}, {y:.4g}"
+        right = cx > 0.7 * W  # a label near the right edge goes to the point's left
+        anchor, tx = ("end", cx - 7) if right else ("start", cx + 7)
+        parts.append(
+            f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="5" fill="{colour}" class="point"><title>{escape(tip)}</title>'
+            f'</circle><text x="{tx:.1f}" y="{cy - 7:.1f}" text-anchor="{anchor}" class="small">{escape(name)}</text>'
+        )
     return _svg(parts, title)
