@@ -3,14 +3,13 @@ token with its values, the comparison's top-1 buckets, a screenshot with content
 
 from __future__ import annotations
 
-import json
 import re
 
 import numpy as np
 import pytest
 import torch
 from conftest import STORIES, TINYSTORIES, require_shared
-from helpers.browser import chromium
+from helpers.browser import chromium, report_data
 from helpers.runs import evaluate_overrides
 
 from lit_ppl.data.windows import build_windows, sample_pages, token_offsets
@@ -41,10 +40,6 @@ def browser():
     return chromium()
 
 
-def page_data(html: str) -> dict:
-    return json.loads(re.search(r'<script type="application/json" id="lit-ppl-data">(.*?)</script>', html).group(1))
-
-
 def test_run_page_shades_every_token_and_shows_the_buckets(runs, browser, tmp_path):
     r, out = runs["int8"], runs["root"] / "int8"
     html = (out / "report.html").read_text(encoding="utf-8")
@@ -59,7 +54,7 @@ def test_run_page_shades_every_token_and_shows_the_buckets(runs, browser, tmp_pa
     per_token = np.load(out / "per_token.npy")  # the run's own per-token NLLs, corpus order
     assert np.allclose([float(n) for n, *_ in spans], per_token, rtol=6e-4, atol=1e-6)
     assert 0 < max(float(k) for _, k, _ in spans) <= r["compare"]["kld_max"] * (1 + 1e-3)
-    text = "".join(page_data(loaded.dom)["pages"][0]["text"])
+    text = "".join(report_data(out / "report.html")["pages"][0]["text"])
     assert TINYSTORIES.read_text(encoding="utf-8").strip()[:200] in text  # the text as written, token by token
     buckets = re.search(r'<table class="buckets">(.*?)</table>', loaded.dom).group(1)
     rows = re.findall(r"<tr><td>(\[[^<]*)</td><td>([\d,]+)</td>", buckets)
@@ -100,7 +95,7 @@ def test_a_million_token_corpus_gives_a_page_of_bounded_size(runs):
     assert first[-1] == 1_000_000
     pages = sample_pages(first, BUDGET, PAGE)
     assert pages[:, 2].sum() <= BUDGET and pages[0, 0] == 0 and pages[-1, 0] == len(windows) - 1  # spread over all
-    real = page_data((runs["root"] / "int8" / "report.html").read_text(encoding="utf-8"))["pages"][0]
+    real = report_data(runs["root"] / "int8" / "report.html")["pages"][0]
     cycle = lambda key, n: [real[key][i % len(real[key])] for i in range(n)]  # noqa: E731
     keys = ("text", "nll", "kld", "nll_base")
     text = {

@@ -6,6 +6,7 @@ Skipped where the browser cannot be had (not root, no apt) — unless ``CI=true`
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import tempfile
@@ -59,6 +60,12 @@ class Chromium:
         proc = self._run(page.resolve().as_uri(), f"--screenshot={out}", f"--window-size={width},{height}")
         assert proc.returncode == 0 and out.is_file(), proc.stderr[-2000:]
         return out
+
+
+def report_data(page: Path) -> dict:
+    """The data a ``report.html`` embeds for its script (the sampled tokens' text and values)."""
+    html = page.read_text(encoding="utf-8")
+    return json.loads(re.search(r'<script type="application/json" id="lit-ppl-data">(.*?)</script>', html).group(1))
 
 
 def chromium() -> Chromium:
