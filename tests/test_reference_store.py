@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import STORIES, require_shared, run_entry
 from helpers import zoo
-from helpers.runs import evaluate_overrides
+from helpers.runs import evaluate_overrides, torchrun_sweep
 
 from lit_ppl.errors import LitPplError
 
@@ -31,8 +31,23 @@ def _base(docs: Path, cache: Path, *extra: str) -> list[str]:
     ]
 
 
+def _numbers(c: dict, prefix: str = "") -> dict[str, float]:
+    """Every number of a ``compare`` result, the per-bucket ones and the histogram's included, by a flat key."""
+    out: dict[str, float] = {}
+    for k, v in c.items():
+        if isinstance(v, dict):
+            out |= _numbers(v, f"{prefix}{k}.")
+        elif isinstance(v, list):
+            out |= _numbers({str(i): x for i, x in enumerate(v)}, f"{prefix}{k}.")
+        elif v is not None:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def _worst(a: dict, b: dict) -> float:
     """The largest relative difference between two ``compare`` results, over every statistic."""
+    a, b = _numbers(a), _numbers(b)
+    assert a.keys() == b.keys()
     return max(abs(a[k] - b[k]) / abs(a[k]) if a[k] else abs(b[k]) for k in a)
 
 
@@ -162,7 +177,7 @@ def test_saved_reference_under_every_layout(saved, docs_file, tmp_path):
     single = evaluate_overrides([*saved["base"], *int4, "compare=unquantized"], tmp_path / "int4")["compare"]
     for name, mode in (("tp_saved", read), ("tp_live", ["compare=unquantized"])):
         r = entry(name, *int4, "strategy=tp", "trainer.devices=2", *mode)["compare"]
-        for key in ("ppl", "ppl_base", "kld_mean", "p_diff_rms", "same_top"):
+        for key in ("ppl", "ppl_base", "kld_mean", "kld_rev_mean", "p_diff_rms", "same_top"):
             assert r[key] == pytest.approx(single[key], rel=1e-6), (name, key)
     r = entry(
         "fsdp_tp",
@@ -173,3 +188,26 @@ def test_saved_reference_under_every_layout(saved, docs_file, tmp_path):
         f"compare.reference.store={two}",
     )
     assert r["compare"]["kld_mean"] < 1e-9 and r["compare"]["same_top"] == 1.0  # the same model as the store's
+
+
+@pytest.mark.slow
+def test_reverse_kld_and_buckets_under_fsdp_are_one_processes(saved, tmp_path):
+    """compare's reverse KLD, top-1 buckets and histogram: the live and the saved comparison under fsdp × 2 (one
+    torchrun launch running both) give one process's, bit for bit in deterministic mode."""
+    det = [*saved["base"], "eval.deterministic=true", "quant=int8"]
+    store = saved["store"]
+    single = [
+        evaluate_overrides([*det, "compare.reference=" + str(STORIES)], tmp_path / "live1")["compare"],
+        evaluate_overrides([*det, "compare.reference={store:'" + str(store) + "'}"], tmp_path / "saved1")["compare"],
+    ]
+    # compare.reference as a path (a live reference model) or as {store: DIR} (the saved one): one sweep.
+    sweep = f"compare.reference='{STORIES}',{{store:'{store}'}}"
+    runs = torchrun_sweep([*det, "strategy=fsdp", "trainer.devices=2", sweep], 2, tmp_path / "sweep", timeout=600)
+    assert [r["world_size"] for r in runs] == [2, 2] and "reference_store" in runs[1]
+    for one, two in zip(single, (r["compare"] for r in runs), strict=True):
+        assert two == one
+        assert (
+            0 < one["kld_rev_mean"] != one["kld_mean"]
+            and sum(b["tokens"] for b in one["kld_by_top_p"]) == one["tokens"]
+        )
+    assert _worst(single[0], single[1]) <= 1e-6  # and the live comparison is the saved one

@@ -213,13 +213,22 @@ def test_reports_show_the_resolved_batch_size(run_dirs, tmp_path):
 
 
 def test_breakdown_only_when_a_report_reads_it(run_dirs, compose, tmp_path):
-    """Per-position and per-document sums cost work every step: kept only for report.plots or report.per_document."""
+    """Per-position and per-document sums cost work every step: kept only for report.plots, report.html or
+    report.per_document."""
     assert sum(json.loads((run_dirs["b1"] / "results.json").read_text())["nll_by_position"]["count"]) > 0
-    off = evaluate(compose("eval.seq_len=128", "report.plots=false", f"output_dir={tmp_path / 'off'}"))
+    off = evaluate(
+        compose("eval.seq_len=128", "report.plots=false", "report.html=false", f"output_dir={tmp_path / 'off'}")
+    )
     assert off["nll_by_position"] is None
     assert sorted(p.name for p in (tmp_path / "off").iterdir()) == ["results.json"]
     on = evaluate(
-        compose("eval.seq_len=128", "report.plots=false", "report.per_document=csv", f"output_dir={tmp_path / 'on'}")
+        compose(
+            "eval.seq_len=128",
+            "report.plots=false",
+            "report.html=false",
+            "report.per_document=csv",
+            f"output_dir={tmp_path / 'on'}",
+        )
     )
     assert sum(on["nll_by_position"]["count"]) == on["tokens"]
     with (tmp_path / "on" / "per_document.csv").open() as f:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, WIKITEXT, require_shared
+from helpers.browser import report_data
 
 from lit_ppl.data import autobatch
 from lit_ppl.evaluation.resume import EXIT_PREEMPTED
@@ -117,6 +118,10 @@ def test_signal_saves_then_rerun_is_bit_identical(text, uninterrupted, tmp_path,
     assert f"resuming from step {stopped}" in done.stderr
     _assert_identical(r, uninterrupted[world])
     assert not list((out / "progress").glob("*.pt")), "a finished run leaves no progress behind"
+    # report.html's sampled tokens (60K scored: evenly spread windows) are metric states: restored like the sums.
+    page = report_data(out / "report.html")
+    assert page == report_data(Path(uninterrupted[world]["config"]["output_dir"]) / "report.html")
+    assert 0 < sum(len(p["text"]) for p in page["pages"]) < r["tokens"]
 
 
 def test_crash_loses_at_most_the_work_since_the_last_save(text, uninterrupted, tmp_path):

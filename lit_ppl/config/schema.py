@@ -182,6 +182,9 @@ class ReportConfig:
         default=None, metadata=meta("also write per_document.{csv,parquet}", choices=PER_DOCUMENT_FORMATS)
     )
     plots: bool = field(default=True, metadata=meta("nll_by_position.png"))
+    html: bool = field(
+        default=True, metadata=meta("report.html: the numbers, charts and the text shaded token by token (offline)")
+    )
     per_token: bool = field(
         default=False, metadata=meta("also write per_token.npy (float32 NLL per token, corpus order) and its index")
     )
@@ -191,8 +194,8 @@ class ReportConfig:
 class ValidateConfig:
     """The whole config of ``python -m lit_ppl.validate`` (``conf/validate.yaml``)."""
 
-    model: ModelConfig = field(default_factory=ModelConfig, metadata=meta("model=builtin|hf"))
-    data: DataConfig = field(default_factory=DataConfig, metadata=meta("data=demo|text|wikitext2"))
+    model: ModelConfig = field(default_factory=ModelConfig, metadata=meta("model=builtin|demo|hf"))
+    data: DataConfig = field(default_factory=DataConfig, metadata=meta("data=demo|alice|text|wikitext2"))
     eval: EvalConfig = field(default_factory=EvalConfig, metadata=meta("eval=rolling|sliding|block|llamacpp"))
     trainer: dict[str, Any] = field(
         default_factory=dict, metadata=meta("Lightning Trainer arguments", check=check_trainer)

@@ -15,12 +15,12 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 from lit_ppl.config.values import DATA_FORMATS, ENCODING_ERRORS
 from lit_ppl.errors import LitPplError
+from lit_ppl.runtime.packages import is_package_url, package_file
 
 DEMO_TEXT = "package://lit_ppl.assets/demo.txt"
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
@@ -138,9 +138,8 @@ def expand_paths(raw: list[str]) -> list[str]:
     entries in the order given, no file twice."""
     out: list[str] = []
     for entry in raw:
-        if entry.startswith("package://"):
-            package, name = entry.removeprefix("package://").split("/", 1)
-            found = [str(files(package) / name)]
+        if is_package_url(entry):
+            found = [str(package_file(entry, "data.path"))]
         elif glob.has_magic(entry):
             found = sorted(p for p in glob.glob(os.path.expanduser(entry), recursive=True) if Path(p).is_file())
             if not found:

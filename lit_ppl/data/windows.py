@@ -214,3 +214,32 @@ def scored_positions(windows: Windows, doc_lengths: np.ndarray) -> tuple[np.ndar
     doc = np.searchsorted(bos, target, side="right") - 1
     keep = target != bos[doc]
     return doc[keep], (target - bos[doc] - 1)[keep]
+
+
+def sample_pages(first_token: np.ndarray, budget: int, page: int) -> np.ndarray:
+    """The windows whose scored tokens a report shows: ``(k, 3)`` int64 rows of window, first corpus-order token and
+    tokens. Every window when their tokens fit in ``budget``; else ``budget // page`` windows spread evenly over the
+    corpus, the first ``page`` tokens of each. Depends on the windows alone, so every rank and layout picks the same.
+
+    Examples:
+        >>> sample_pages(np.array([0, 3, 5]), budget=10, page=4).tolist()
+        [[0, 0, 3], [1, 3, 2]]
+        >>> sample_pages(np.array([0, 5, 10, 15, 20]), budget=6, page=3).tolist()
+        [[0, 0, 3], [3, 15, 3]]
+    """
+    counts = np.diff(np.asarray(first_token, dtype=np.int64))
+    chosen = np.flatnonzero(counts > 0)
+    if counts.sum() > budget:
+        spread = np.linspace(0, len(chosen) - 1, max(1, budget // page)).round().astype(np.int64)
+        chosen = chosen[np.unique(spread)]
+        return np.stack([chosen, first_token[chosen], np.minimum(counts[chosen], page)], axis=1)
+    return np.stack([chosen, first_token[chosen], counts[chosen]], axis=1)
+
+
+def page_starts(windows: Windows, doc_lengths: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(document, position)`` of the first scored token of each window in ``ids``."""
+    pick = {f: getattr(windows, f)[ids] for f in ("start", "end", "score_from", "documents", "words", "bytes")}
+    sub = Windows(**pick, joined=windows.joined, bos_first=windows.bos_first)
+    doc, pos = scored_positions(sub, doc_lengths)
+    firsts = token_offsets(sub, doc_lengths)[:-1]
+    return doc[firsts], pos[firsts]

@@ -62,7 +62,11 @@ class KLModule(PerplexityModule):
         )
         if self.accumulate:  # a tensor-parallel group's ranks hold the same statistics: its first counts them
             self.kl.update(**stats)
+        self._extra = {"kld": stats["kld"], "nll_base": stats["nll_base"]}
         return stats["nll"]
+
+    def sample_fields(self) -> tuple[str, ...]:
+        return (*super().sample_fields(), "kld", "nll_base")
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()

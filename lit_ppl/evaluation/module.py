@@ -12,6 +12,7 @@ from torchmetrics import Metric
 
 from lit_ppl.data.batch_plan import ScorerProbe
 from lit_ppl.errors import LitPplError
+from lit_ppl.evaluation.pages import ReportSample
 from lit_ppl.evaluation.reference import TokenOutputs
 from lit_ppl.metrics.perplexity import NLLBreakdown, Perplexity
 from lit_ppl.model.checkpoint import key_problem
@@ -61,6 +62,7 @@ class PerplexityModule(L.LightningModule):
         breakdown: also sum the NLL per document and per window position (:class:`NLLBreakdown`: ``per_document``
             and ``result["nll_by_position"]``); off, the step loop skips its scatter-adds.
         outputs: per-token files (:mod:`lit_ppl.evaluation.reference`), or ``None``.
+        report_sample: the tokens ``report.html`` shows (:mod:`lit_ppl.evaluation.pages`), or ``None``.
     """
 
     def __init__(
@@ -74,26 +76,26 @@ class PerplexityModule(L.LightningModule):
         deterministic: bool = False,
         breakdown: bool = False,
         outputs: TokenOutputs | None = None,
+        report_sample: ReportSample | None = None,
     ) -> None:
         super().__init__()
+        self.report_sample, self.sample_metric, self.report_text = report_sample, None, None
+        self._extra: dict[str, torch.Tensor] = {}  # a step's values beside the NLL that the sample keeps
         self.outputs = outputs  # per-token files (report.per_token, save_reference), written in corpus order
         self._hidden: torch.Tensor | None = None  # the step's scored hidden states, when save_reference keeps them
         self.output_files: dict[str, Any] = {}  # rank 0: where the per-token files went (results.json)
-        self.deterministic, self.want_breakdown = deterministic, breakdown
-        self.compile_decoder = compile_decoder
+        self.deterministic, self.want_breakdown, self.compile_decoder = deterministic, breakdown, compile_decoder
         self.spec, self.chunk_size, self.layout, self.quantize = model, chunk_size, layout, quantize
         self.mesh: Any = None  # the layout's device mesh, built once in configure_model
         self.accumulate = True  # False on tensor-parallel ranks other than the first: their NLLs are its copies
-        self.timeout_s = timeout_s
-        self.quant_report: Any = None
+        self.timeout_s, self.quant_report = timeout_s, None
         self.scorer: TokenScorer | None = None
         self.metric = Perplexity(exact=deterministic)
         self.breakdown: NLLBreakdown | None = None  # with breakdown=True: sized in setup(), once the corpus is known
         self.per_document: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, nll sum) per document
         self.result: dict[str, Any] = {}
         self.scorer_check: dict[str, float] = {}  # the self-check of the scoring path (lit_ppl.model.scorer)
-        self.tokens_seen = 0  # host-side count for tokens/s: from shapes, no device sync
-        self.steps = 0
+        self.tokens_seen, self.steps = 0, 0  # host-side count for tokens/s: from shapes, no device sync
 
     def configure_model(self) -> None:
         if self.scorer is not None:
@@ -192,6 +194,8 @@ class PerplexityModule(L.LightningModule):
         dm = self.trainer.datamodule
         if self.outputs is not None and self.outputs.datamodule is None:
             self.outputs.setup(dm)
+        if self.report_sample is not None and self.sample_metric is None and getattr(dm, "corpus", None) is not None:
+            self.sample_metric = self.report_sample.metric(dm, self.sample_fields())
         if not self.want_breakdown or self.breakdown is not None:
             return
         if dm is not None and getattr(dm, "corpus", None) is not None:
@@ -203,6 +207,10 @@ class PerplexityModule(L.LightningModule):
         trainer = self.trainer
         context = trainer.precision_plugin.val_step_context
         return ScorerProbe(self.scorer, self.spec.path, str(trainer.precision), self.chunk_size, context, self.device)
+
+    def sample_fields(self) -> tuple[str, ...]:
+        """The per-token values ``report.html`` shows (a comparison adds its own)."""
+        return ("nll", "target")
 
     def holds_quantized_weights(self) -> bool:
         """Whether any model of the run gets torchao's weights (which cannot be indexed under inference_mode)."""
@@ -260,6 +268,8 @@ class PerplexityModule(L.LightningModule):
             self._first_bad_step = torch.where(bad & (self._first_bad_step < 0), batch_idx, self._first_bad_step)
             if self.outputs is not None:
                 self.outputs.write(batch, nll, self._hidden)
+            if self.sample_metric is not None:
+                self.sample_metric.update(batch["token_index"], nll=nll, target=batch["targets"], **self._extra)
         self._hidden = None
         self.tokens_seen += batch["targets"].numel()
         self.steps += 1
@@ -332,6 +342,9 @@ class PerplexityModule(L.LightningModule):
                 "count": parts["pos_count"].tolist(),
             }
             self.per_document = (parts["doc_tokens"], parts["doc_nll_sum"])
+        if self.sample_metric is not None:
+            values = self.sample_metric.compute()  # synced on every rank; the text is rank 0's to write
+            self.report_text = self.report_sample.finish(values) if self.global_rank == 0 else None
         if self.outputs is not None and self.global_rank == 0:
             self.output_files = self.outputs.finish({"ppl": self.result["ppl"], "model": self.spec.path})
         self.log_dict({"ppl": stats["ppl"].float(), "nll_mean": stats["nll_mean"].float()}, sync_dist=False)

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -103,6 +104,39 @@ class LogBins:
         if not self.signed:
             return torch.cat([zero, mid, inf])
         return torch.cat([-inf, -mid.flip(0), zero, mid, inf])
+
+
+def coarse(bins: LogBins, counts: Tensor, per_decade: int = 4) -> dict[str, Any]:
+    """An unsigned histogram's counts regrouped into ``per_decade`` bins per decade, for a chart.
+
+    Each fine bin joins the coarse bin holding its lower edge, so a coarse edge stands within a factor ``γ`` of
+    where its values change bins. Returns ``edges`` (``len(counts) + 1`` values, from the first to the last
+    non-empty coarse bin), ``counts``, ``below`` (values under ``low``: zeros and rounding-level values) and
+    ``above`` (past ``high``).
+
+    Examples:
+        >>> bins = LogBins(low=1e-6, high=10.0)
+        >>> values = torch.tensor([0.0, 2e-3, 3e-3, 0.5], dtype=torch.float64)
+        >>> counts = torch.zeros(bins.size, dtype=torch.int64).index_add_(0, bins.index(values), torch.ones(4).long())
+        >>> out = coarse(bins, counts, per_decade=1)
+        >>> out["edges"], out["counts"], out["below"], out["above"]
+        ([0.001, 0.01, 0.1, 1.0], [2, 0, 1], 1, 0)
+    """
+    if bins.signed:
+        raise LitPplError("coarse() regroups unsigned histograms only")
+    c = counts.detach().to("cpu", torch.int64)
+    lower = math.log10(bins.low) + torch.arange(bins.per_side, dtype=torch.float64) * math.log10(bins.gamma)
+    group = torch.floor(lower * per_decade + 1e-9).to(torch.int64)
+    first = int(group[0])
+    grouped = torch.zeros(int(group[-1]) - first + 1, dtype=torch.int64).index_add_(0, group - first, c[1:-1])
+    filled = torch.nonzero(grouped).flatten().tolist()
+    lo, hi = (filled[0], filled[-1] + 1) if filled else (0, 0)
+    return {
+        "edges": [float(f"{10.0 ** ((first + i) / per_decade):.6g}") for i in range(lo, hi + 1)] if filled else [],
+        "counts": grouped[lo:hi].tolist(),
+        "below": int(c[0]),
+        "above": int(c[-1]),
+    }
 
 
 def percentiles(

