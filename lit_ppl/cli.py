@@ -39,6 +39,7 @@ from lit_ppl.config.options import given, hydra_value, leaf_fields, option_type,
 from lit_ppl.data.sources import DataSpec
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.spec import ModelSpec
+from lit_ppl.quant.methods import METHODS
 from lit_ppl.run import USER_ERRORS, evaluate, exit_for
 from lit_ppl.validate import conf_dir
 from lit_ppl.validate import main as validate_main
@@ -61,9 +62,8 @@ GROUPS |= {"compare": CompareOptions, "parallel": ParallelOptions}
 
 
 def quant_preset(name: str | None, method: str | None) -> str:
-    """The ``conf/quant/`` file that ``--quant.name``/``--quant.method`` select: a calibrated method's own, else the
-    name's (``--quant.method awq`` is ``quant=awq``)."""
-    return method if method in ("awq", "gptq") else name or "none"
+    """The ``conf/quant/`` file ``--quant.name``/``--quant.method`` select: the method's own, else the name's."""
+    return method if method in METHODS and METHODS[method].preset else name or "none"
 
 
 def compose_validate(overrides: list[str], hydra: bool = False) -> DictConfig:

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_ppl.config.guard import check_output_location, check_targets, construct
 from lit_ppl.config.numbers import number_keys, progress_keys
-from lit_ppl.config.quant import quant_node
+from lit_ppl.config.quant import QuantConfig, quant_config
 from lit_ppl.config.schema import ParallelConfig, ValidateConfig
 from lit_ppl.data import autobatch, balance
 from lit_ppl.data.batch_plan import BatchPlan
@@ -28,7 +28,7 @@ from lit_ppl.errors import LitPplError
 from lit_ppl.model.spec import ModelSpec
 from lit_ppl.parallel import layout as parallel
 from lit_ppl.parallel import tensor_parallel
-from lit_ppl.quant import apply as quantize
+from lit_ppl.quant.quantizer import check_layout
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Plan:
     data: DataSpec
     limits: tuple[int, int | None]  # the model's (vocabulary, positions)
     batch: BatchPlan
-    quant: dict[str, Any]  # the quant node with every default (lit_ppl.quant reads it as it is)
+    quant: QuantConfig  # every default from the schema (lit_ppl.quant reads it as it is)
     breakdown: bool  # per-document and per-position sums: kept only when a report reads them
     model_identity: dict[str, Any]  # the weights' files with their times (lit_ppl.model.spec.ModelSpec.identity)
 
@@ -198,13 +198,13 @@ def preflight(cfg: DictConfig) -> Plan:
         model_config = model.config()
         layout.check_model(tensor_parallel.widths(model_config))
         tensor_parallel.check_plan(model_config)
-    quant = quant_node(plain["quant"])
-    if quant["name"] != "none" and typed.precision in ("64-true", "64"):
+    quant = quant_config(plain["quant"])
+    if quant.name != "none" and typed.precision in ("64-true", "64"):
         raise LitPplError(
-            f"quant={quant['name']} with precision={typed.precision}: torchao's quantized weights take bfloat16, "
+            f"quant={quant.name} with precision={typed.precision}: torchao's quantized weights take bfloat16, "
             "float16 or float32 inputs, not float64; use precision=32-true (or bf16-true)"
         )
-    quantize.check_layout(quant, layout)
+    check_layout(quant, layout)
     check_outputs(typed)
     autobatch.check_layout(typed.batch_size, layout)
     if typed.batch_size == "auto":

@@ -29,7 +29,7 @@ from lit_ppl.model.nll import auto_chunk
 from lit_ppl.parallel.ranks import peer_failure, rank
 from lit_ppl.parallel.strategies import join_launched_ranks
 from lit_ppl.preflight import Plan, preflight
-from lit_ppl.quant import apply as quantize
+from lit_ppl.quant.quantizer import build as build_quantizer
 from lit_ppl.report import loggers
 from lit_ppl.report.progress import TokensPerSecondBar, set_verbose
 from lit_ppl.report.results import build_results, write_hydra_files, write_per_document
@@ -122,7 +122,9 @@ def build_module(plan: Plan, datamodule: PerplexityDataModule) -> PerplexityModu
     :class:`PerplexityModule`; each with the run's per-token files (``report.per_token``, ``save_reference``)."""
     run = plan.cfg
     # Calibrated methods tokenize their text now, like the evaluated text, which theirs must not be.
-    quantizer = quantize.build(plan.quant, datamodule.tokenizer, datamodule.spec, run.distributed.timeout_s)
+    quantizer = build_quantizer(
+        plan.quant, datamodule.tokenizer, datamodule.spec, run.distributed.timeout_s, plan.model, plan.layout.sharded
+    )
     reference = run.compare.reference
     store = reference.get("store") if isinstance(reference, dict) else None
     path = "compare" if reference or store else "nll"
@@ -146,7 +148,7 @@ def build_module(plan: Plan, datamodule: PerplexityDataModule) -> PerplexityModu
         return SavedCompareModule(plan.model, str(Path(store).expanduser()), **options)
     if not reference:
         return PerplexityModule(plan.model, **options)
-    spec, ref_quantize, ref_dtype = reference_spec(reference, plan.model)
+    spec, ref_quantize, ref_dtype = reference_spec(reference, plan.model, plan.layout.sharded)
     return CompareModule(plan.model, spec, reference_quantize=ref_quantize, reference_dtype=ref_dtype, **options)
 
 
@@ -182,7 +184,7 @@ def write_outputs(plan: Plan, results: dict[str, Any], module: PerplexityModule)
     path = write_json_atomic(out / "results.json", results)
     auto = (results.get("quant") or {}).get("auto")
     if auto:
-        from lit_ppl.quant.auto import POLICY_FILE, write_policy
+        from lit_ppl.quant.auto.policy import POLICY_FILE, write_policy
 
         print(f"quant=auto policy: {write_policy(out / POLICY_FILE, auto)}")
     if report.per_document and module.per_document is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lit_ppl"
 # Bottom up: a room may import only itself and the rooms before it.
@@ -75,3 +77,12 @@ def test_readme_names_every_room():
     section = text[text.index("## Architecture of the code") :]
     for room in {_room(p) for p in _modules() if p.parent != PACKAGE} - {"assets"}:
         assert f"  {room}/" in section, room
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists the packages by name: a room (or a room inside one) left out would be missing from a
+    plain ``pip install .``, though every test that runs from the checkout would pass."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)

@@ -5,6 +5,7 @@ Calibration (and measurement) text is Shakespeare; the evaluated text is TinySto
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -15,11 +16,11 @@ from pathlib import Path
 import pytest
 from conftest import STORIES, TINYSTORIES, require_shared, run_entry
 
-from lit_ppl.config.quant import quant_node
+from lit_ppl.config.quant import quant_config
 from lit_ppl.config.values import ConfigError, check_calibration
 from lit_ppl.errors import LitPplError
-from lit_ppl.quant.auto import POLICY_FILE
-from lit_ppl.quant.budget import cheapest
+from lit_ppl.quant.auto.budget import cheapest
+from lit_ppl.quant.auto.policy import POLICY_FILE
 
 SHAKESPEARE = STORIES.parent / "tinyshakespeare.txt"
 SMALL = {"tokens": 1024, "seq_len": 256, "batch_size": 2, "grid": 5}
@@ -152,7 +153,8 @@ def test_a_budget_nothing_quantized_meets_says_the_best_reachable_value(compose,
 def test_bad_auto_configs_are_one_line(node, message):
     calibration = {"path": "x.txt"} | node.pop("calibration", {})
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check_calibration("quant", quant_node({"name": "auto", "calibration": calibration, **node}))
+        node = quant_config({"name": "auto", "calibration": calibration, **node})
+        check_calibration("quant", dataclasses.asdict(node))
 
 
 def test_the_knapsack_finds_the_fewest_bytes_within_the_budget():

@@ -1,7 +1,7 @@
 """Calibrated quantization on the real stories260K: refusals, exact statistics, identical weights at 1-3 ranks.
 
-AWQ and GPTQ run end to end on CPU, int8 and int4 (GPTQ on torch ops: lit_ppl.quant.gptq_solver; torchao 0.18's
-own ``gptq_quantize`` asserts a CUDA weight, and is kept for the tinygemm int4 layouts on a GPU).
+AWQ and GPTQ run end to end on CPU, int8 and int4 (GPTQ on torch ops: lit_ppl.quant.calibrated.gptq_solver;
+torchao 0.18's own ``gptq_quantize`` asserts a CUDA weight, and is kept for the tinygemm int4 layouts on a GPU).
 
 Calibration text is Shakespeare; the evaluated text is TinyStories. Multi-rank runs are real gloo processes.
 """
@@ -21,12 +21,13 @@ import torch.nn.functional as F
 from conftest import ROOT, SHARED, STORIES, TINYSTORIES, require_shared, run_entry
 from helpers.runs import torchrun_sweep
 
+from lit_ppl.config.quant import quant_config
 from lit_ppl.data.sampler import global_batches
 from lit_ppl.data.sources import DataSpec
 from lit_ppl.model.spec import ModelSpec
-from lit_ppl.quant import apply as quantize
-from lit_ppl.quant.awq import candidate_scales
-from lit_ppl.quant.calibration import Calibration, CalibrationSpec, prepare_calibration
+from lit_ppl.quant import quantizer as quantize
+from lit_ppl.quant.calibrated.awq import candidate_scales
+from lit_ppl.quant.calibrated.text import Calibration, CalibrationSpec, prepare_calibration
 
 SHAKESPEARE = SHARED / "tinyshakespeare.txt"
 # Windows of 256, 256, 256, 256 and 88 tokens in batches of 2: three batches (2 + 1 at two ranks, 1 + 1 + 1 at
@@ -59,7 +60,7 @@ def tokenizer():
 
 
 def calibration(cache, **overrides) -> Calibration:
-    spec = CalibrationSpec.from_cfg(awq_cfg(cache, **overrides)["calibration"])
+    spec = CalibrationSpec.from_cfg(quant_config(awq_cfg(cache, **overrides)).calibration, "awq")
     return Calibration(spec, prepare_calibration(spec, tokenizer(), None))
 
 
@@ -82,7 +83,7 @@ def reference_inputs(cal: Calibration) -> tuple[torch.nn.Module, dict[str, list[
         for n in names
     ]
     with torch.no_grad():
-        for ids in global_batches(cal.windows.lengths, cal.spec.batch_size):  # the batches every world size runs
+        for ids in global_batches(cal.windows.lengths, cal.spec.config.batch_size):  # the batches every world size runs
             input_ids, mask = cal.batch(ids, torch.device("cpu"))
             real.append(mask)
             model.model(input_ids=input_ids, use_cache=False)
@@ -105,7 +106,7 @@ def reference_statistics(cal: Calibration) -> dict[str, dict[str, torch.Tensor]]
     """One process, every calibration input kept: Σ|x|, the count and each candidate's Σ error², in float64."""
     from torchao.quantization import Int8WeightOnlyConfig
 
-    from lit_ppl.quant.awq import quantize_weight
+    from lit_ppl.quant.calibrated.awq import quantize_weight
 
     model, inputs = reference_inputs(cal)
     names = list(inputs)
@@ -113,7 +114,7 @@ def reference_statistics(cal: Calibration) -> dict[str, dict[str, torch.Tensor]]
     for n in names:
         x = torch.cat(inputs[n]).to(torch.float64)
         w = model.get_submodule(n).weight
-        scales = candidate_scales(x.abs().sum(0) / x.shape[0], cal.spec.grid, w.dtype)
+        scales = candidate_scales(x.abs().sum(0) / x.shape[0], cal.spec.config.grid, w.dtype)
         errors = []
         for s in scales:
             q = quantize_weight(w * s, Int8WeightOnlyConfig())
@@ -204,7 +205,7 @@ def test_policy_rules_choose_the_method_per_module(tmp_path):
 
 
 def test_statistics_equal_a_float64_computation_over_the_whole_set(tmp_path):
-    from lit_ppl.quant.awq import awq_statistics
+    from lit_ppl.quant.calibrated.awq import awq_statistics
 
     require_shared()
     cal = calibration(tmp_path, batch_size=3)  # [256, 256, 256] and [256, 88 + padding]: padding is left out
@@ -220,7 +221,7 @@ def test_statistics_equal_a_float64_computation_over_the_whole_set(tmp_path):
 
 
 def test_gptq_hessians_equal_a_float64_xtx_over_the_whole_set(tmp_path):
-    from lit_ppl.quant.gptq import gptq_hessians
+    from lit_ppl.quant.calibrated.gptq import gptq_hessians
 
     require_shared()
     cal = calibration(tmp_path, batch_size=3)  # padding in the last batch is left out
@@ -236,16 +237,16 @@ def test_gptq_refusals_on_cuda_are_decided_without_one():
     """What a GPU would refuse (tinygemm without mslk, int8dq, a tied table) is decided by the plan, testable here."""
     import importlib.util
 
-    from lit_ppl.quant.plan import Rule, Scheme, method_problem
+    from lit_ppl.quant.methods import METHODS
+    from lit_ppl.quant.schemes import Scheme
     from lit_ppl.quant.targets import find_targets
 
     require_shared()
     targets = find_targets(lm())
     q, embed = targets["model.layers.0.self_attn.q_proj"], targets["model.embed_tokens"]
-    cuda = torch.device("cuda")
 
     def problem(scheme: Scheme, kernel: str | None, target, tied: bool = False) -> str | None:
-        return method_problem(Rule(scheme, role="linear", method="gptq"), kernel, target, tied, cuda)
+        return METHODS["gptq"].problem(scheme, kernel, target, tied, "role linear")
 
     assert problem(Scheme("int8"), None, q) is None
     assert problem(Scheme("int4", 32), "intx", q) is None  # lit-ppl's GPTQ on torch ops, on CUDA too
@@ -261,7 +262,7 @@ def test_gptq_quantization_itself_needs_cuda(tmp_path):
     from torchao.prototype.gptq import GPTQConfig, gptq_quantize
     from torchao.quantization import Int8WeightOnlyConfig
 
-    from lit_ppl.quant.gptq import gptq_weight
+    from lit_ppl.quant.calibrated.gptq import gptq_weight
 
     x = torch.randn(64, 32, dtype=torch.float64)
     w = torch.randn(16, 32)
@@ -286,9 +287,10 @@ def test_gptq_on_uncorrelated_inputs_is_torchaos_round_to_nearest_bit_for_bit():
     scales and zero points, which checks that the solver's grid and codes are torchao's."""
     from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup
 
-    from lit_ppl.quant.awq import quantize_weight
+    from lit_ppl.config.quant import GptqConfig
+    from lit_ppl.quant.calibrated.awq import quantize_weight
+    from lit_ppl.quant.calibrated.gptq_solver import gptq_tensor
     from lit_ppl.quant.consistency import digest
-    from lit_ppl.quant.gptq_solver import GptqOptions, gptq_tensor
 
     torch.manual_seed(0)
     w = torch.randn(48, 128)
@@ -296,15 +298,16 @@ def test_gptq_on_uncorrelated_inputs_is_torchaos_round_to_nearest_bit_for_bit():
     for config in (IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)), Int8WeightOnlyConfig()):
         rtn = quantize_weight(w, config)
         for act_order in (False, True):
-            got, _ = gptq_tensor(xtx, w, config, GptqOptions(act_order=act_order, block_size=64))
+            got, _ = gptq_tensor(xtx, w, config, GptqConfig(act_order=act_order, block_size=64))
             assert type(got) is type(rtn) and digest(got) == digest(rtn), (config, act_order)
             torch.testing.assert_close(got.dequantize(), rtn.dequantize(), rtol=0, atol=0)
 
 
 def test_gptq_lowers_every_layers_output_error_below_round_to_nearest(tmp_path):
     """On the calibration inputs themselves, ‖XWᵀ − XQᵀ‖² of GPTQ's Q is below RTN's for every int4 layer."""
-    from lit_ppl.quant.awq import quantize_weight
-    from lit_ppl.quant.gptq_solver import GptqOptions, gptq_tensor
+    from lit_ppl.config.quant import GptqConfig
+    from lit_ppl.quant.calibrated.awq import quantize_weight
+    from lit_ppl.quant.calibrated.gptq_solver import gptq_tensor
 
     require_shared()
     cal = calibration(tmp_path)
@@ -315,7 +318,7 @@ def test_gptq_lowers_every_layers_output_error_below_round_to_nearest(tmp_path):
         err = {}
         for label, q in (
             ("rtn", quantize_weight(w, config)),
-            ("gptq", gptq_tensor(x64.T @ x64, w, config, GptqOptions())[0]),
+            ("gptq", gptq_tensor(x64.T @ x64, w, config, GptqConfig())[0]),
         ):
             err[label] = float((x64 @ (w.double() - q.dequantize().double()).T).pow(2).sum())
         assert err["gptq"] < err["rtn"], (name, err)
@@ -333,7 +336,7 @@ def test_calibrated_int4_runs_on_cpu_and_beats_round_to_nearest(tmp_path):
     with its input pre-scale), each closer to the float model than RTN on text it was not calibrated on."""
     from torchao.quantization import IntxUnpackedToInt8Tensor
 
-    from lit_ppl.quant.awq import PRE_SCALE
+    from lit_ppl.quant.calibrated.awq import PRE_SCALE
 
     require_shared()
     ids = torch.tensor(tokenizer().encode(TINYSTORIES.read_text())[:1792]).view(7, 256)  # not the calibration text
@@ -410,7 +413,7 @@ HALF = {"tokens": 556, "seq_len": 128}
 
 def _rank_work(rank: int, world: int, path: str, cache: str) -> None:
     """One rank: the reduced statistics, then the whole quantization with source=local and source=rank0."""
-    from lit_ppl.quant.awq import awq_statistics
+    from lit_ppl.quant.calibrated.awq import awq_statistics
 
     cal = calibration(cache, **HALF)
     model = lm()
@@ -508,7 +511,7 @@ def _gptq_rank_worker(rank: int, cache: str, store: str, out: str) -> None:
 
 def _gptq_rank_work(rank: int, world: int, path: str, cache: str) -> None:
     """One rank: its shard's Hessians, reduced over the ranks, saved for the parent to compare."""
-    from lit_ppl.quant.gptq import gptq_hessians
+    from lit_ppl.quant.calibrated.gptq import gptq_hessians
 
     cal = calibration(cache)
     model = lm()
@@ -546,7 +549,7 @@ import json, sys, torch
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 import test_calibrate as t
-from lit_ppl.quant.awq import awq_statistics
+from lit_ppl.quant.calibrated.awq import awq_statistics
 torch.set_num_threads(1)
 cal = t.calibration(Path({cache!r}), tokens={tokens}, seq_len=512, batch_size=8)
 model = t.lm()
@@ -579,7 +582,7 @@ def test_calibration_memory_does_not_grow_with_the_calibration_set(tmp_path):
 
 
 def test_awq_int4_on_the_bf16_cpu_prototype_uses_torchaos_pre_scale(tmp_path):
-    from lit_ppl.quant.awq import PRE_SCALE
+    from lit_ppl.quant.calibrated.awq import PRE_SCALE
 
     require_shared()
     model = lm().to(torch.bfloat16)

@@ -106,14 +106,14 @@ def test_calibration_options_are_the_quant_files_keys():
     from dataclasses import fields
 
     from lit_ppl.cli import CalibrationOptions
-    from lit_ppl.quant.calibration import DATA_KEYS, CalibrationSpec
+    from lit_ppl.config.quant import CalibrationConfig
 
     def calibration(preset: str) -> set[str]:
         return set(OmegaConf.load(Path(conf_dir()) / "quant" / f"{preset}.yaml").calibration)
 
     names = {f.name for f in fields(CalibrationOptions)}
     assert names == calibration("awq")
-    assert names == {*DATA_KEYS, *(f.name for f in fields(CalibrationSpec) if f.name != "data")} - {"data"}
+    assert names == {f.name for f in fields(CalibrationConfig)}
     assert calibration("gptq") == names - {"grid"}  # grid is AWQ's scale search
 
 

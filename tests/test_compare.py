@@ -17,7 +17,7 @@ from lit_ppl.metrics import histogram
 from lit_ppl.metrics.kl import HISTOGRAMS, KLDivergence, token_stats
 from lit_ppl.model.scorer import TokenScorer
 from lit_ppl.model.spec import ModelSpec
-from lit_ppl.quant import apply as quantize
+from lit_ppl.quant import quantizer as quantize
 from lit_ppl.run import evaluate
 
 ALPHA = 1e-3  # the histograms' relative error bound (lit_ppl.metrics.histogram)

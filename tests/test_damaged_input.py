@@ -14,7 +14,7 @@ from helpers.gguf_files import write_gguf
 
 from lit_ppl.config import ConfigError, check
 from lit_ppl.errors import LitPplError
-from lit_ppl.quant.auto import load_table
+from lit_ppl.quant.auto.table import load_table
 from lit_ppl.run import evaluate
 
 

@@ -10,8 +10,8 @@ import torch
 from conftest import STORIES, TINYSTORIES, require_shared, run_entry
 
 from lit_ppl.model.spec import ModelSpec
-from lit_ppl.quant import apply as quantize
 from lit_ppl.quant import consistency as quant_check
+from lit_ppl.quant import quantizer as quantize
 from lit_ppl.run import evaluate
 
 DATA = ["model=hf", f"model.path={STORIES}", "data=text", f"data.path={TINYSTORIES}", "trainer=cpu"]

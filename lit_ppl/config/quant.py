@@ -29,6 +29,7 @@ from lit_ppl.config.values import (
     check_calibration,
     check_paths,
     check_regex,
+    check_step_count,
     meta,
 )
 
@@ -42,12 +43,22 @@ def check_rules(key: str, value: Any) -> None:
         where = f"{key}[{i}]"
         if not isinstance(rule, dict):
             raise ConfigError(f"{where}={rule!r} must be a rule {{role|match, config[, group_size, method]}}")
-        # Validated on a typed copy: lit_ppl.quant.plan.rules_from_cfg reads an absent key as "not given" (the
+        # Validated on a typed copy: lit_ppl.quant.assign.rules_from_cfg reads an absent key as "not given" (the
         # quant node's value), so the rule itself keeps only the keys the user wrote.
         typed = typed_copy(RuleConfig, rule, where)
         if (typed["role"] is None) == (typed["match"] is None):
             raise ConfigError(f"{where} needs exactly one of role (one of {', '.join(QUANT_ROLES)}) or match (a regex)")
         check_fields(RuleConfig, typed, where)
+
+
+def check_damp(key: str, value: float) -> None:
+    if not 0 <= value < 1:
+        raise ConfigError(f"{key}={value} must be in [0, 1): a fraction of mean(diag H)")
+
+
+def check_block_size(key: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{key}={value} must be a positive number of columns")
 
 
 def check_reference(key: str, value: Any) -> None:
@@ -60,7 +71,7 @@ def check_reference(key: str, value: Any) -> None:
 
 @dataclass
 class CalibrationConfig:
-    """``quant.calibration``: the calibration text of awq/gptq (:class:`lit_ppl.quant.calibration.CalibrationSpec`)."""
+    """``quant.calibration``: the calibration text of awq/gptq (:mod:`lit_ppl.quant.calibrated.text`)."""
 
     path: Any = field(
         default=None,
@@ -74,19 +85,23 @@ class CalibrationConfig:
     encoding_errors: str = field(default="strict", metadata=meta("as data.encoding_errors", choices=ENCODING_ERRORS))
     limit: int | None = field(default=None, metadata=meta("only the first N documents"))
     cache_dir: str | None = field(default=None, metadata=meta("token store"))
-    seq_len: int = field(default=512, metadata=meta("tokens per calibration window"))
-    tokens: int = field(default=8192, metadata=meta("calibration tokens"))
-    batch_size: int = field(default=8, metadata=meta("windows per forward pass"))
-    grid: int = field(default=20, metadata=meta("AWQ: candidate scales per layer"))
+    seq_len: int = field(default=512, metadata=meta("tokens per calibration window", check=check_step_count))
+    tokens: int = field(default=8192, metadata=meta("calibration tokens", check=check_step_count))
+    batch_size: int = field(default=8, metadata=meta("windows per forward pass", check=check_step_count))
+    grid: int = field(default=20, metadata=meta("AWQ: candidate scales per layer", check=check_step_count))
     allow_overlap: bool = field(default=False, metadata=meta("accept calibration text identical to the evaluated text"))
 
 
 @dataclass
 class GptqConfig:
-    """``quant.gptq``: GPTQ's knobs (:class:`lit_ppl.quant.gptq_solver.GptqOptions`)."""
+    """``quant.gptq``: GPTQ's knobs (:mod:`lit_ppl.quant.calibrated.gptq_solver`)."""
 
-    damp: float = field(default=0.01, metadata=meta("fraction of mean(diag XᵀX) added to its diagonal"))
-    block_size: int = field(default=128, metadata=meta("columns updated together (lazy batch updates)"))
+    damp: float = field(
+        default=0.01, metadata=meta("fraction of mean(diag XᵀX) added to its diagonal", check=check_damp)
+    )
+    block_size: int = field(
+        default=128, metadata=meta("columns updated together (lazy batch updates)", check=check_block_size)
+    )
     act_order: bool = field(default=False, metadata=meta("quantize columns by decreasing XᵀX diagonal"))
     sequential: bool = field(
         default=False, metadata=meta("calibrate each decoder block on the outputs of the quantized blocks before it")
@@ -193,7 +208,15 @@ class CompareConfig:
     )
 
 
-def quant_node(value: Any) -> dict[str, Any]:
-    """A ``quant`` node as a plain dict with every key the schema defines, its defaults filled in: what the
-    quantization code reads, so that no default is repeated there (a reference's node may give only a few keys)."""
-    return typed_copy(QuantConfig, dict(value or {}), "quant")
+def quant_config(value: Any) -> QuantConfig:
+    """A ``quant`` node (as written, or already typed) as a :class:`QuantConfig`, every default from the schema:
+    what the quantization code reads, so that no default is repeated there (a reference's node may give only a few
+    keys). Its field checks run here too, for callers of the Python API."""
+    if isinstance(value, QuantConfig):
+        return value
+    from omegaconf import OmegaConf
+
+    plain = typed_copy(QuantConfig, dict(value or {}), "quant")
+    check_fields(CalibrationConfig, plain["calibration"], "quant.calibration")
+    check_fields(GptqConfig, plain["gptq"], "quant.gptq")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantConfig), plain))

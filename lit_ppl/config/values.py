@@ -28,13 +28,14 @@ STRATEGY_NAMES = (
 EVAL_MODES = ("rolling", "sliding", "block", "llamacpp")  # lit_ppl.data.windows
 DATA_FORMATS = ("auto", "text", "json", "parquet")  # lit_ppl.data.sources
 ENCODING_ERRORS = ("strict", "replace", "ignore")  # lit_ppl.data.sources
-QUANT_SCHEMES = ("none", "int8", "int8dq", "int4")  # lit_ppl.quant.plan.SCHEMES: what one rule applies
+QUANT_SCHEMES = ("none", "int8", "int8dq", "int4")  # lit_ppl.quant.schemes.Scheme: what one rule applies
 QUANT_NAMES = (*QUANT_SCHEMES, "policy", "auto")  # quant.name: one scheme, per-module rules, or chosen by a budget
 AUTO_SCHEMES = ("none", "int8", "int4")  # quant=auto: the schemes quant.schemes may list
-QUANT_METHODS = ("rtn", "awq", "gptq", "hqq")  # lit_ppl.quant.plan.METHODS
-QUANT_SOURCES = ("local", "rank0")  # lit_ppl.quant.plan.SOURCES
-INT4_BACKENDS = ("auto", "tinygemm", "prototype", "intx")  # lit_ppl.quant.plan.INT4_BACKENDS
-GROUP_SIZES = (32, 64, 128, 256)  # lit_ppl.quant.plan.GROUP_SIZES
+QUANT_METHODS = ("rtn", "awq", "gptq", "hqq")  # one entry each in lit_ppl.quant.methods.METHODS
+CALIBRATED_METHODS = ("awq", "gptq")  # the entries with calibrated=True
+QUANT_SOURCES = ("local", "rank0")  # lit_ppl.quant.apply: every rank quantizes, or rank 0 broadcasts
+INT4_BACKENDS = ("auto", "tinygemm", "prototype", "intx")  # lit_ppl.quant.schemes.int4_backend
+GROUP_SIZES = (32, 64, 128, 256)  # lit_ppl.quant.schemes.Scheme
 QUANT_ROLES = ("attention", "mlp", "experts", "head", "embeddings", "linear")  # lit_ppl.quant.targets.ROLES
 REFERENCE_DTYPES = ("float32", "float64", "bfloat16", "float16")  # lit_ppl.evaluation.compare.DTYPES
 BALANCES = ("tokens", "weights", "measured")  # lit_ppl.data.balance.BALANCES
@@ -221,7 +222,7 @@ def calibrated_method(quant: dict[str, Any] | None) -> str | None:
         used = {r.get("method") or quant["method"] for r in quant["rules"] or [] if r.get("config", "none") != "none"}
     else:
         used = {quant["method"]}
-    return next((m for m in ("awq", "gptq") if m in used), None)
+    return next((m for m in CALIBRATED_METHODS if m in used), None)
 
 
 def check_calibration(key: str, value: Any) -> None:
@@ -251,6 +252,11 @@ def check_auto(key: str, value: dict[str, Any]) -> None:
         raise ConfigError(f"{key}.budget.{name}={limit!r} must be a positive number")
     if limit == math.inf:
         raise ConfigError(f"{key}.budget.{name}={limit!r} must be a finite number > 0")
+    if (value.get("gptq") or {}).get("sequential"):
+        raise ConfigError(
+            f"{key}=auto with {key}.gptq.sequential=true: each layer is measured alone, on the float model's inputs; "
+            f"use {key}.gptq.sequential=false"
+        )
     schemes = list(value.get("schemes") or [])
     bad = [s for s in schemes if s not in AUTO_SCHEMES]
     if bad or not schemes or len(set(schemes)) != len(schemes) or schemes == ["none"]:

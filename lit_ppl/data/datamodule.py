@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lit_ppl.config.schema import DistributedConfig
 from lit_ppl.data.batch_plan import BatchPlan
 from lit_ppl.data.sampler import PAD, ExactBatchSampler
 from lit_ppl.data.sources import DataSpec
@@ -132,7 +133,7 @@ class PerplexityDataModule(L.LightningDataModule):
         batch_size: int | str = 8,
         limits: tuple[int, int | None] | None = None,
         deterministic: bool = False,
-        timeout_s: float = 300.0,
+        timeout_s: float = DistributedConfig.timeout_s,
         layout: Layout | None = None,
         plan: BatchPlan | None = None,
     ) -> None:

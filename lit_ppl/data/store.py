@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lit_ppl.config.schema import DistributedConfig
 from lit_ppl.data.sources import DataSpec
 from lit_ppl.data.tokenize import encoded_batches, processes
 from lit_ppl.data.windows import doc_offsets
@@ -128,7 +129,9 @@ def store_dir(spec: DataSpec, tokenizer: Tokenizer) -> Path:
     return root / "tokens" / spec.fingerprint(tokenizer.fingerprint, VERSION)
 
 
-def prepare(spec: DataSpec, tokenizer: Tokenizer, timeout_s: float = 300.0, progress: bool = True) -> Path:
+def prepare(
+    spec: DataSpec, tokenizer: Tokenizer, timeout_s: float = DistributedConfig.timeout_s, progress: bool = True
+) -> Path:
     """The store of ``spec`` tokenized by ``tokenizer``: found, built here, or waited for while another process
     builds it; a builder whose lock shows no progress for ``timeout_s`` seconds is taken over."""
     final = store_dir(spec, tokenizer)

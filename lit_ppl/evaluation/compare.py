@@ -25,7 +25,8 @@ from lit_ppl.model.scorer import CHECK_TOLERANCE, CHECK_TOLERANCE_16BIT, TokenSc
 from lit_ppl.model.spec import ModelSpec
 from lit_ppl.parallel.layout import Layout
 from lit_ppl.parallel.sharding import fsdp_mesh
-from lit_ppl.quant.apply import build as build_quantize
+from lit_ppl.quant.quantizer import Quantizer
+from lit_ppl.quant.quantizer import build as build_quantizer
 
 DTYPES = {name: getattr(torch, name) for name in REFERENCE_DTYPES}
 
@@ -215,8 +216,11 @@ class SavedCompareModule(KLModule):
             )
 
 
-def reference_spec(reference: str | dict[str, Any], model: ModelSpec) -> tuple[ModelSpec, Any, torch.dtype | None]:
-    """``(spec, quantize callable, dtype)`` of ``compare.reference``: a path, or ``{path, dtype, quant}``."""
+def reference_spec(
+    reference: str | dict[str, Any], model: ModelSpec, split: bool = False
+) -> tuple[ModelSpec, Quantizer | None, torch.dtype | None]:
+    """``(spec, quantizer, dtype)`` of ``compare.reference``: a path, or ``{path, dtype, quant}`` (``split``: the
+    layout splits the model, so a reference stored quantized is restored as stored)."""
     ref = {"path": reference} if isinstance(reference, str) else dict(reference)
     path = ref.get("path") or model.path
     # gguf_file is the candidate's file, not the reference's (a reference FILE.gguf sets its own from its path).
@@ -233,4 +237,5 @@ def reference_spec(reference: str | dict[str, Any], model: ModelSpec) -> tuple[M
         spec.limits()[0] != model.limits()[0] or spec.tokenizer().fingerprint != model.tokenizer().fingerprint
     ):
         raise LitPplError(f"the reference {path} has another tokenizer or vocabulary than {model.path}")
-    return spec, build_quantize(ref.get("quant") or {"name": "none"}), DTYPES.get(dtype) if dtype else None
+    quantizer = build_quantizer(ref.get("quant") or {"name": "none"}, model=spec, split=split)
+    return spec, quantizer, DTYPES.get(dtype) if dtype else None

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
+from lit_ppl.config.schema import DistributedConfig
 from lit_ppl.data.batch_plan import ScorerProbe
 from lit_ppl.errors import LitPplError
 from lit_ppl.evaluation.pages import ReportSample
@@ -32,7 +33,7 @@ from lit_ppl.parallel.sharding import (
     weight_bytes,
 )
 from lit_ppl.parallel.tensor_parallel import parallelize
-from lit_ppl.quant.stored import restore_int8, stored_int8, unpack_int8
+from lit_ppl.quant.quantizer import Quantizer
 from lit_ppl.runtime.memory import keep_freed_memory_in_heap, rank_memory, rank_peak_memory
 
 # Weights are loaded directly in the dtype a "*-true" precision computes in (a 70B checkpoint must not
@@ -53,9 +54,9 @@ class PerplexityModule(L.LightningModule):
         model: which LM to load; it is built in ``configure_model`` so that it can be split as it loads.
         chunk_size: scored positions per output-head chunk (bounds the logits memory).
         layout: how the ranks split the model and the data (:mod:`lit_ppl.parallel.layout`); ``None``: one process.
-        quantize: a callable ``quantize(lm) -> report`` applied once the model holds its weights (each rank's
-            tensor-parallel slices) and before FSDP shards it; the report's ``quantized_params`` (names in ``lm``)
-            are kept out of DDP/FSDP wrapping, whose hooks cannot handle torchao's quantized tensors.
+        quantize: the :class:`~lit_ppl.quant.quantizer.Quantizer` applied once the model holds its weights (each
+            rank's tensor-parallel slices) and before FSDP shards it, or ``None``; its report's ``quantized_params``
+            (names in ``lm``) are kept out of DDP/FSDP wrapping, whose hooks cannot handle torchao's tensors.
         timeout_s: how long the final synchronisation waits for every rank before naming the missing ones.
         compile_decoder: ``torch.compile`` the decoder (:mod:`lit_ppl.model.compiling`).
         deterministic: accumulate in exact fixed-point sums (:mod:`lit_ppl.metrics.exact`), the same at any world size.
@@ -70,8 +71,8 @@ class PerplexityModule(L.LightningModule):
         model: ModelSpec,
         chunk_size: int = 1024,
         layout: Layout | None = None,
-        quantize: Any = None,
-        timeout_s: float = 300.0,
+        quantize: Quantizer | None = None,
+        timeout_s: float = DistributedConfig.timeout_s,
         compile_decoder: bool = False,
         deterministic: bool = False,
         breakdown: bool = False,
@@ -113,7 +114,7 @@ class PerplexityModule(L.LightningModule):
         """All of them: Lightning's DDP would broadcast rank 0's weights at validation start.
 
         Every rank read the same checkpoint (or drew the same seeded weights) and quantized ones are compared by hash
-        (:func:`lit_ppl.quant.consistency.check_consistency`); the broadcast costs a copy of every weight on each rank
+        (:func:`lit_ppl.quant.consistency.check_ranks_agree`); the broadcast costs a copy of every weight on each rank
         (benchmarks/README.md).
         """
         names = [n for n, _ in self.named_parameters(remove_duplicate=False)]
@@ -127,10 +128,9 @@ class PerplexityModule(L.LightningModule):
         (it is small and seeded alike on every rank) and split the same way.
         """
         layout = self.layout
-        stored = stored_int8(spec, quantize)  # before any weight is read
         if layout is None or not layout.sharded:
             lm = spec.build(dtype, self.device)
-            report = quantize(lm) if quantize is not None else None
+            report = quantize.quantize(lm) if quantize is not None else None
             return self._finish(TokenScorer(lm, self.chunk_size)), report
         tp = tp_group(self.mesh, layout)
         lm = spec.build(dtype) if spec.is_builtin else spec.build_empty(dtype)
@@ -138,15 +138,13 @@ class PerplexityModule(L.LightningModule):
         splits = parallelize(lm, tp) if tp is not None else {}
         scorer = TokenScorer(lm, self.chunk_size, tp)
         dp_mesh = fsdp_mesh(self.mesh, layout)
-        if quantize is None and not stored and dp_mesh is not None:
+        if quantize is None and dp_mesh is not None:
             fully_shard_blocks(scorer, dp_mesh, set())
-        scales: dict[str, Any] = {}
+        read: Any = None
         if not spec.is_builtin:
             materialize(scorer, self.device)
-            scales = self._load(spec, lm, dtype, expected, splits, tp)
-        report = quantize(lm, tp=layout.tp) if quantize is not None else None
-        if stored:  # the checkpoint's own INT8 codes, re-created on each rank's slice (lit_ppl.quant.stored)
-            report = restore_int8(lm, spec.path, scales, splits, tp, spec.stored_quantization())
+            read = self._load(spec, lm, dtype, expected, splits, tp, quantize)
+        report = quantize.quantize(lm, tp, splits, read) if quantize is not None else None
         if report is not None and dp_mesh is not None:
             # FSDP2 cannot hold torchao's tensors: their rows are sharded by hand, the rest by fully_shard.
             shard_quantized_rows(lm, report.quantized_params, self.mesh["dp_shard"].get_group())
@@ -155,22 +153,21 @@ class PerplexityModule(L.LightningModule):
         return self._finish(scorer), report
 
     def _load(
-        self, spec: ModelSpec, lm: nn.Module, dtype: torch.dtype, expected: set[str], splits: Any, tp: Any
-    ) -> dict[str, Any]:
+        self, spec: ModelSpec, lm: nn.Module, dtype: torch.dtype, expected: set, splits: Any, tp: Any, q: Any
+    ) -> Any:
         """Rank 0 reads the checkpoint as ``from_pretrained`` does, checks that its tensors are exactly the model's
         and broadcasts them; :func:`lit_ppl.parallel.sharding.unloaded` proves no parameter was left NaN. Returns
-        the stored INT8 weights' scales (:func:`lit_ppl.quant.stored.unpack_int8`; empty for float weights)."""
+        what the quantizer read of the whole checkpoint (:meth:`~lit_ppl.quant.quantizer.Quantizer.read`)."""
         full: dict[str, torch.Tensor] = {}
-        problem, scales = None, {}
+        problem, read = None, None
         if self.global_rank == 0:
             try:
                 full = spec.full_state_dict(dtype)
                 problem = key_problem(spec.path, expected - set(full), set(full) - expected)
-                if stored_int8(spec, None):
-                    scales = unpack_int8(spec.path, full)
+                read = q.read(full) if q is not None else None
             except LitPplError as err:  # told to every rank below, so that none waits for a broadcast
                 problem = str(err)
-        problem, scales = self.trainer.strategy.broadcast((problem, scales))
+        problem, read = self.trainer.strategy.broadcast((problem, read))
         if problem:
             raise LitPplError(problem)
         load_from_rank0(lm, full, splits, tp)
@@ -181,7 +178,7 @@ class PerplexityModule(L.LightningModule):
                 f"({', '.join(missing[:5])}): the checkpoint holds NaN there, or no tensor reached them (a bug in "
                 "lit-ppl: please report it)"
             )
-        return scales
+        return read
 
     def _finish(self, scorer: TokenScorer) -> TokenScorer:
         if self.compile_decoder:

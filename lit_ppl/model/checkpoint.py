@@ -1,7 +1,7 @@
 """A checkpoint's files as lit-ppl checks them, each problem in one line: the safetensors headers before any weight
 is read (a file cut short by an interrupted download), and after loading, the tensors transformers found missing,
 unexpected or of the wrong shape, said instead of its multi-line report. A GGUF file's header is checked by
-``gguf``'s own reader (:func:`lit_ppl.model.stored.gguf_description`)."""
+``gguf``'s own reader (:func:`lit_ppl.model.formats.gguf_description`)."""
 
 from __future__ import annotations
 

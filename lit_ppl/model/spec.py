@@ -182,12 +182,12 @@ class ModelSpec:
         }
 
     def stored_quantization(self) -> dict[str, Any] | None:
-        """The checkpoint's own quantization (``source: checkpoint``; :mod:`lit_ppl.model.stored`), ``None`` for
+        """The checkpoint's own quantization (``source: checkpoint``; :mod:`lit_ppl.model.formats`), ``None`` for
         float weights."""
         if self.is_builtin:
             return None
         if "stored" not in self.__dict__:  # read once: the table, results.json and the layout all ask
-            from lit_ppl.model.stored import gguf_description, hf_description
+            from lit_ppl.model.formats import gguf_description, hf_description
 
             root = Path(self.location).expanduser()
             if self.gguf_file is not None:

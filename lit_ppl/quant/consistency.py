@@ -1,7 +1,7 @@
 """Quantized weights across ranks: their bytes, a digest, the check that ranks agree, rank 0's broadcast.
 
 Every rank quantizes its own copy (``quant.source=local``) or rank 0 quantizes and broadcasts
-(``quant.source=rank0``); either way :func:`check_consistency` hashes every quantized parameter on every rank and
+(``quant.source=rank0``); either way :func:`check_ranks_agree` hashes every quantized parameter on every rank and
 refuses ranks that hold different weights (:class:`RankMismatchError`): their results would not be one model's.
 """
 
@@ -32,7 +32,7 @@ def digest(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def check_consistency(lm: nn.Module, names: list[str], tp: int = 1) -> dict[str, Any]:
+def check_ranks_agree(lm: nn.Module, names: list[str], tp: int = 1) -> dict[str, Any]:
     """Hash every quantized parameter on every rank and compare; raise naming the modules that differ.
 
     Under tensor parallelism (``tp`` > 1) the ranks of a group hold different slices: each rank is compared with

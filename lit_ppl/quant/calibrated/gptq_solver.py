@@ -3,8 +3,8 @@
 torchao 0.18's ``gptq_quantize`` asserts a CUDA weight before any arithmetic, so without a GPU GPTQ would never
 run; this is the same algorithm (Frantar et al. 2022, Algorithm 1) written against torchao's tensors instead:
 
-1. ``H = XᵀX`` (the float64 sum :func:`lit_ppl.quant.gptq.gptq_hessians` reduces over the ranks; GPTQ does not
-   depend on its scale), dead inputs (``H_jj = 0``) zeroed, damped by ``damp · mean(diag H)``;
+1. ``H = XᵀX`` (the float64 sum :func:`lit_ppl.quant.calibrated.gptq.gptq_hessians` reduces over the ranks; GPTQ
+   does not depend on its scale), dead inputs (``H_jj = 0``) zeroed, damped by ``damp · mean(diag H)``;
 2. the upper Cholesky factor ``U`` of ``H⁻¹``;
 3. columns quantized in order (``act_order``: by decreasing ``H_jj``), each one's rounding error
    ``(w − q) / U_jj`` fed forward into the columns not yet quantized (within a block of ``block_size`` columns at
@@ -24,32 +24,12 @@ so every rank given the same ``H`` computes the same bits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lit_ppl.config.quant import GptqConfig
 from lit_ppl.errors import LitPplError
-
-
-@dataclass(frozen=True)
-class GptqOptions:
-    """``quant.gptq``: the algorithm's knobs."""
-
-    damp: float = 0.01  # fraction of mean(diag H) added to the diagonal (torchao's percdamp)
-    block_size: int = 128  # columns updated together before the rest gets the block's error
-    act_order: bool = False  # quantize columns by decreasing H_jj (static groups)
-    sequential: bool = False  # each block's H from the outputs of the already-quantized blocks before it
-
-    @classmethod
-    def from_cfg(cls, cfg: dict[str, Any] | None) -> GptqOptions:
-        cfg = dict(cfg or {})
-        opts = cls(**cfg)
-        if not 0 <= opts.damp < 1:
-            raise LitPplError(f"quant.gptq.damp={opts.damp} must be in [0, 1): a fraction of mean(diag H)")
-        if opts.block_size < 1:
-            raise LitPplError(f"quant.gptq.block_size={opts.block_size} must be a positive number of columns")
-        return opts
 
 
 def grid_of(config: Any, weight: torch.Tensor) -> tuple[int, int, int]:
@@ -71,11 +51,11 @@ def codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmin: int, q
 
 
 def gptq_tensor(
-    xtx: torch.Tensor, weight: torch.Tensor, config: Any, opts: GptqOptions
+    xtx: torch.Tensor, weight: torch.Tensor, config: Any, opts: GptqConfig
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """GPTQ of ``weight`` (``(out, in)``) for torchao ``config`` from ``xtx = Σ xᵀx`` (float64); returns torchao's
     tensor holding the GPTQ codes, and facts for the report."""
-    from lit_ppl.quant.awq import quantize_weight
+    from lit_ppl.quant.calibrated.awq import quantize_weight
 
     out_f, in_f = weight.shape
     dtype, device = weight.dtype, weight.device

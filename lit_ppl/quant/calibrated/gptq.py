@@ -2,8 +2,8 @@
 
 GPTQ needs one statistic per layer, the Hessian ``H ∝ XᵀX`` of its inputs: accumulated as a float64 ``in × in``
 sum and a token count, one ``all_reduce`` each (torchao's observer would keep a float32 ``H`` per layer and know
-nothing of ranks). The quantization itself is :mod:`lit_ppl.quant.gptq_solver` (plain torch ops, any device: the
-codes of torchao's ``IntxUnpackedToInt8Tensor``/``Int8Tensor``), or torchao's ``gptq_quantize`` for the CUDA
+nothing of ranks). The quantization itself is :mod:`lit_ppl.quant.calibrated.gptq_solver` (plain torch ops, any
+device: the codes of torchao's ``IntxUnpackedToInt8Tensor``/``Int8Tensor``), or torchao's ``gptq_quantize`` for the CUDA
 ``Int4Tensor`` of the tinygemm backend (CUDA only: torchao 0.18 asserts a CUDA weight). By default, like torchao's,
 every layer's ``H`` comes from the float model in one pass; ``quant.gptq.sequential`` calibrates each decoder block
 on the outputs of the blocks before it, already quantized.
@@ -17,9 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_ppl.config.quant import GptqConfig
 from lit_ppl.errors import LitPplError
-from lit_ppl.quant.calibration import Calibration, all_reduce, block_of, layer_statistics, stream
-from lit_ppl.quant.gptq_solver import GptqOptions, gptq_tensor
+from lit_ppl.quant.calibrated.gptq_solver import gptq_tensor
+from lit_ppl.quant.calibrated.stream import all_reduce, block_of, layer_statistics, stream
+from lit_ppl.quant.calibrated.text import Calibration
 
 
 def gptq_problem(device: torch.device) -> str | None:
@@ -96,7 +98,7 @@ def quantize_layers(
     lm: nn.Module,
     configs: dict[str, tuple[Any, bool]],
     hessians: dict[str, dict[str, torch.Tensor]],
-    opts: GptqOptions,
+    opts: GptqConfig,
 ) -> dict[str, dict[str, Any]]:
     """Replace each layer of ``configs`` (name → (torchao config, whether torchao's own CUDA GPTQ runs it)) by its
     GPTQ quantization from the reduced ``hessians`` (:func:`gptq_hessians`); returns per-layer facts."""
@@ -109,7 +111,7 @@ def quantize_layers(
 
 
 def layer_gptq(
-    st: dict[str, torch.Tensor], weight: torch.Tensor, config: Any, torchao: bool, opts: GptqOptions
+    st: dict[str, torch.Tensor], weight: torch.Tensor, config: Any, torchao: bool, opts: GptqConfig
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """One layer's GPTQ tensor from its reduced statistics ``st`` (``xtx``, ``count``), by torchao's CUDA GPTQ or
     lit-ppl's solver, and the facts for the report."""
@@ -139,7 +141,7 @@ def run_gptq(
     calibration: Calibration,
     rank: int,
     world_size: int,
-    opts: GptqOptions,
+    opts: GptqConfig,
     hessians: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """GPTQ of every layer of ``configs``: from ``hessians`` of the float model (one pass, computed here if not

@@ -1,13 +1,13 @@
 """How much a quantized layer changes the model: its KL divergence from the float model on calibration text.
 
-:class:`Probe` holds the float model's final hidden states for this rank's calibration batches (the reference, as
+:class:`Meter` holds the float model's final hidden states for this rank's calibration batches (the reference, as
 a comparison run holds the reference model's) and measures any variant of the model against them with
 :func:`lit_ppl.metrics.kl.token_stats` — the comparison's own per-token statistics, in float64 — returning
 ``(Σ KLD, Σ NLL, Σ NLL of the float model, tokens)`` over this rank's tokens; the caller sums them over the ranks.
 
 A variant that differs only in decoder block ``b`` and later gives the same inputs to block ``b``, so
-:meth:`Probe.measure` ``(start=b)`` replays the float output of block ``b - 1`` (kept per batch by
-:meth:`Probe.advance`) instead of running blocks ``0 .. b - 1``: half the forward passes on average. The replay
+:meth:`Meter.measure` ``(start=b)`` replays the float output of block ``b - 1`` (kept per batch by
+:meth:`Meter.advance`) instead of running blocks ``0 .. b - 1``: half the forward passes on average. The replay
 swaps the first ``b`` entries of the decoder's block list for a stand-in that returns the kept output (reaching
 the real block's attributes, e.g. ``attention_type``), so the architecture's own forward runs unchanged; that it
 reproduces the float model is checked at every block on the first batch (a model whose blocks share state
@@ -27,7 +27,8 @@ from torch import nn
 
 from lit_ppl.metrics.kl import token_stats
 from lit_ppl.model.scorer import decoder_and_head, head_fn, logit_transform, transform
-from lit_ppl.quant.calibration import Calibration, Stop
+from lit_ppl.quant.calibrated.stream import Stop
+from lit_ppl.quant.calibrated.text import Calibration
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class _Replay(nn.Module):
             return getattr(object.__getattribute__(self, "block"), name)
 
 
-class Probe:
+class Meter:
     """The float model's outputs on this rank's calibration batches, and measurements of variants against them.
 
     Args:

@@ -16,10 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_ppl.config.quant import QuantConfig, quant_config
 from lit_ppl.errors import LitPplError
 from lit_ppl.parallel.sharding import kept_region, local
-from lit_ppl.quant.apply import QuantReport
-from lit_ppl.quant.consistency import check_consistency
+from lit_ppl.quant.consistency import check_ranks_agree
+from lit_ppl.quant.quantizer import Quantizer
+from lit_ppl.quant.report import QuantReport
 
 
 def unpack_int8(path: str, full: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
@@ -74,19 +76,38 @@ def restore_int8(
         setattr(modules[name.rpartition(".")[0]], name.rpartition(".")[2], nn.Parameter(q, requires_grad=False))
     report = QuantReport(name=stored["name"], source="checkpoint")
     report.quantized_params = sorted(scales)
-    report.consistency = check_consistency(lm, report.quantized_params, getattr(tp, "size", 1))
+    report.consistency = check_ranks_agree(lm, report.quantized_params, getattr(tp, "size", 1))
     return report
 
 
-def stored_int8(spec: Any, quantize: Any) -> bool:
-    """Whether the checkpoint of ``spec`` (a :class:`lit_ppl.model.spec.ModelSpec`) holds torchao INT8 weights to
-    split and shard as stored; on-the-fly quantization (``quantize``) on top of them is refused in one line."""
-    stored = spec.stored_quantization()
-    if stored is None or stored.get("format") != "torchao":
-        return False
-    if quantize is not None:
-        raise LitPplError(
-            f"model.path={spec.path!r} is already quantized ({stored['name']}); evaluate it as stored with "
-            "quant=none, or quantize its float checkpoint"
-        )
-    return True
+class StoredInt8(Quantizer):
+    """The quantizer of a checkpoint that holds torchao INT8 weights, under a split layout: the reader sends their
+    exact float values (:meth:`read`), and every rank turns its slice back into the stored codes (:meth:`quantize`)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(quant_config({"name": "none"}))
+        self.model, self.stored = model, model.stored_quantization()
+
+    @property
+    def name(self) -> str:
+        return self.stored["name"]
+
+    @staticmethod
+    def holds(model: Any, cfg: QuantConfig) -> bool:
+        """Whether the checkpoint of ``model`` (a :class:`lit_ppl.model.spec.ModelSpec`) holds torchao INT8 weights
+        to split and shard as stored; on-the-fly quantization (``cfg``) on top of them is refused in one line."""
+        stored = model.stored_quantization()
+        if stored is None or stored.get("format") != "torchao":
+            return False
+        if cfg.name != "none":
+            raise LitPplError(
+                f"model.path={model.path!r} is already quantized ({stored['name']}); evaluate it as stored with "
+                "quant=none, or quantize its float checkpoint"
+            )
+        return True
+
+    def read(self, full: dict[str, Any]) -> Any:
+        return unpack_int8(self.model.path, full)
+
+    def quantize(self, lm: nn.Module, tp: Any = None, splits: Any = None, read: Any = None) -> QuantReport:
+        return restore_int8(lm, self.model.path, read or {}, splits or {}, tp, self.stored)

@@ -61,13 +61,21 @@ def gguf_description(path: Path) -> dict[str, Any]:
 
 # torchao configs whose checkpoints transformers reloads as ``Int8Tensor`` weights, which lit-ppl can split and shard.
 TORCHAO_READABLE = ("Int8WeightOnlyConfig",)
-# quant_method -> what it needs that this installation or device lacks (None: nothing more).
-_NEEDS = {
-    "compressed-tensors": ("compressed_tensors", "the compressed-tensors package (pip install compressed-tensors)"),
-    "gptq": (None, "a GPTQ kernel (gptqmodel) on a CUDA device"),
-    "awq": (None, "an AWQ kernel (autoawq) on a CUDA device"),
-    "bitsandbytes": (None, "bitsandbytes on a CUDA device"),
-}
+
+
+def _needs() -> dict[str, tuple[str | None, str]]:
+    """quant_method (transformers' names) -> what it needs that this installation or device lacks (None: nothing)."""
+    from transformers.utils.quantization_config import QuantizationMethod as Q
+
+    return {
+        Q.COMPRESSED_TENSORS.value: (
+            "compressed_tensors",
+            "the compressed-tensors package (pip install compressed-tensors)",
+        ),
+        Q.GPTQ.value: (None, "a GPTQ kernel (gptqmodel) on a CUDA device"),
+        Q.AWQ.value: (None, "an AWQ kernel (autoawq) on a CUDA device"),
+        Q.BITS_AND_BYTES.value: (None, "bitsandbytes on a CUDA device"),
+    }
 
 
 def hf_description(path: str, root: Path, quantization_config: dict[str, Any]) -> dict[str, Any]:
@@ -78,8 +86,8 @@ def hf_description(path: str, root: Path, quantization_config: dict[str, Any]) -
     import torch
 
     method = str(quantization_config.get("quant_method", "unknown"))
-    if method in _NEEDS:
-        module, need = _NEEDS[method]
+    if method in _needs():
+        module, need = _needs()[method]
         if module is None and not torch.cuda.is_available():
             raise LitPplError(f"model.path={path!r} is a {method} checkpoint: evaluating it needs {need}; none here")
         if module is not None and importlib.util.find_spec(module) is None:

@@ -16,21 +16,21 @@ so memory does not grow with the calibration set, and each is summed over the ra
    layer, computed with the real quantized kernel; candidates are quantized one at a time, as the batch passes.
 
 After each pass one ``all_reduce`` gives every rank the same float64 numbers, hence the same ``argmin`` and the
-same quantized weights (which :func:`lit_ppl.quant.consistency.check_consistency` then proves by hash). The windows are
+same quantized weights (which :func:`lit_ppl.quant.consistency.check_ranks_agree` then proves by hash). The windows are
 the token store's ``block`` windows (:mod:`lit_ppl.data.windows`), batched once independently of the world size
 (:func:`lit_ppl.data.sampler.plan_batches` with ``deterministic=True``) and shared out over the ranks.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_ppl.quant.calibration import Calibration, all_reduce, layer_statistics, stream
+from lit_ppl.quant.calibrated.stream import all_reduce, layer_statistics, stream
+from lit_ppl.quant.calibrated.text import Calibration
 
 
 def quantize_weight(weight: torch.Tensor, config: Any) -> torch.Tensor:
@@ -112,8 +112,8 @@ def awq_statistics(
                 st["abs_sum"], st["count"] = flat[offset : offset + size], count
                 offset += size
                 x_mean = st["abs_sum"] / max(int(count), 1)
-                st["scales"] = candidate_scales(x_mean, calibration.spec.grid, modules[name].weight.dtype)
-                st["errors"] = torch.zeros(calibration.spec.grid, dtype=torch.float64, device=x_mean.device)
+                st["scales"] = candidate_scales(x_mean, calibration.spec.config.grid, modules[name].weight.dtype)
+                st["errors"] = torch.zeros(calibration.spec.config.grid, dtype=torch.float64, device=x_mean.device)
         else:
             errors = all_reduce(torch.stack([st["errors"] for st in stats.values()]), world_size)
             for st, e in zip(stats.values(), errors, strict=True):
@@ -128,13 +128,13 @@ def best_scale(st: dict[str, torch.Tensor]) -> tuple[int, torch.Tensor]:
 
 
 def apply_awq(
-    lm: nn.Module, configs: dict[str, Any], calibration: Calibration, rank: int, world_size: int
+    lm: nn.Module, configs: dict[str, Any], stats: dict[str, dict[str, torch.Tensor]], grid: int
 ) -> dict[str, dict[str, Any]]:
-    """Calibrate every layer of ``configs`` (name → torchao base config) and replace its weight by ``Q(W·s)`` with
-    ``act_pre_scale = 1/s``; returns, per layer, the chosen ratio and its error relative to ``s = 1``."""
+    """Replace every layer of ``configs`` (name → torchao base config) by ``Q(W·s)`` with ``act_pre_scale = 1/s``,
+    ``s`` the best of its candidates in ``stats`` (:func:`awq_statistics`); returns, per layer, the chosen ratio and
+    its error relative to ``s = 1``."""
     from torchao.quantization.quantize_.common import SupportsActivationPreScaling
 
-    stats = awq_statistics(lm, configs, calibration, rank, world_size)
     chosen: dict[str, dict[str, Any]] = {}
     for name, st in stats.items():
         mod = lm.get_submodule(name)
@@ -147,18 +147,7 @@ def apply_awq(
         mod.weight = nn.Parameter(qw, requires_grad=False)
         base = float(st["errors"][0])
         chosen[name] = {
-            "awq_ratio": best / calibration.spec.grid,
+            "awq_ratio": best / grid,
             "awq_error_vs_rtn": float(st["errors"][best]) / base if base > 0 else 1.0,
         }
     return chosen
-
-
-def run_awq(
-    lm: nn.Module, configs: dict[str, Any], calibration: Calibration, rank: int, world_size: int
-) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """:func:`apply_awq` timed; ``(per-layer choices, the calibration's description for results.json)``."""
-    t0 = time.perf_counter()
-    chosen = apply_awq(lm, configs, calibration, rank, world_size)
-    info = {**calibration.describe(), "method": "awq", "world_size": world_size}
-    info["seconds"] = time.perf_counter() - t0
-    return chosen, info

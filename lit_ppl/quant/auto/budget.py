@@ -13,15 +13,16 @@ weight's dtype); the intx int4 backend holds one code per byte in memory, which 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
+from lit_ppl.config.quant import QuantConfig
 from lit_ppl.config.values import check_auto
-from lit_ppl.quant.plan import Scheme
+from lit_ppl.quant.schemes import Scheme
 from lit_ppl.runtime.memory import tensor_bytes
 
 BINS = 4000  # the budget's resolution in the knapsack: a cost is rounded up by at most budget / BINS
@@ -37,10 +38,10 @@ class Budget:
     value: float
 
     @classmethod
-    def from_node(cls, quant: dict[str, Any]) -> Budget:
-        """The one budget of a whole ``quant`` node (checked as the config check does, for callers of the API)."""
-        check_auto("quant", quant)
-        ((metric, value),) = ((k, v) for k, v in quant["budget"].items() if v is not None)
+    def from_config(cls, quant: QuantConfig) -> Budget:
+        """The one budget of a ``quant`` config (checked as the config check does, for callers of the API)."""
+        check_auto("quant", dataclasses.asdict(quant))
+        ((metric, value),) = ((k, v) for k, v in dataclasses.asdict(quant.budget).items() if v is not None)
         return cls(metric, float(value))
 
     @property

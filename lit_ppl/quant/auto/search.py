@@ -1,0 +1,243 @@
+"""``quant=auto``: precision per layer, chosen by measured sensitivity under a budget.
+
+1. Every quantizable layer's candidates: its weight under each scheme of ``quant.schemes`` (int4 by
+   ``quant.method``, with the group fallback; int8 by round-to-nearest), the calibrated ones from statistics
+   reduced over the ranks (:mod:`lit_ppl.quant.auto.candidates`).
+2. Each candidate measured alone on the calibration text: the mean KL divergence from the float model and the
+   change in mean NLL (:class:`lit_ppl.quant.auto.sensitivity.Meter`), summed over the ranks in float64 with one
+   ``all_reduce``, so every rank holds the same numbers and makes the same choice (:mod:`lit_ppl.quant.auto.table`).
+3. The assignment with the fewest weight bytes whose summed cost stays within the budget: a multiple-choice
+   knapsack solved by dynamic programming over the budget in 4,000 steps, each cost rounded up, so the
+   prediction never exceeds the budget (:mod:`lit_ppl.quant.auto.budget`).
+4. The assignment measured as a whole on the calibration text; interactions make that differ from the sum, so
+   while it exceeds the budget the search target shrinks below that assignment's prediction and the knapsack runs
+   again (at most :data:`ROUNDS` times).
+
+The choice becomes ``quant=policy`` rules, one per layer (written next to ``results.json`` as
+``quant_policy.yaml``: :mod:`lit_ppl.quant.auto.policy`), applied by :func:`lit_ppl.quant.apply.quantize_model`
+like any policy. Bytes: :func:`lit_ppl.quant.auto.budget.packed_bytes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_ppl.config.quant import QuantConfig
+from lit_ppl.errors import LitPplError
+from lit_ppl.model.nll import auto_chunk
+from lit_ppl.quant.auto.budget import Budget, Option, cheapest, packed_bytes
+from lit_ppl.quant.auto.candidates import Candidates, installed
+from lit_ppl.quant.auto.policy import policy_node
+from lit_ppl.quant.auto.sensitivity import Meter
+from lit_ppl.quant.auto.table import Table, load_table, measure_layers
+from lit_ppl.quant.calibrated.stream import all_reduce, block_of
+from lit_ppl.quant.calibrated.text import Calibration
+from lit_ppl.quant.schemes import NONE
+
+log = logging.getLogger(__name__)
+
+ROUNDS = 6  # whole-assignment measurements before giving up on a shrinking target
+SHRINK = 0.95  # the next target is this times budget / measured (below the plain ratio: interactions add up)
+CHUNK_BUDGET_MB = 256  # float64 statistics per chunk of positions, as eval.chunk_budget_mb
+
+
+def unit_options(
+    lm: nn.Module, candidates: Candidates, kinds: list[str], table: Table, keep_none: bool
+) -> list[list[Option]]:
+    """Per layer, the options the knapsack chooses among (full precision first, if ``quant.schemes`` has it)."""
+    out = []
+    for name in candidates.layers:
+        weight = lm.get_submodule(name).weight
+        unit = [Option("none", packed_bytes(NONE, weight))]
+        for kind in kinds:
+            chosen = candidates.scheme(name, kind)
+            if chosen is not None:
+                unit.append(Option(kind, packed_bytes(chosen[0], weight), **table.get(name, {}).get(kind, {})))
+        out.append(unit[1:] if not keep_none and len(unit) > 1 else unit)
+    return out
+
+
+def _table(
+    lm: nn.Module, cfg: QuantConfig, candidates: Candidates, meter: Meter, kinds: list[str], fingerprint: dict, ws: int
+) -> tuple[Table, int]:
+    """The sensitivity table (with the passes it took): none when no layer has a choice, reused, or measured."""
+    if not any(len(u) > 1 for u in unit_options(lm, candidates, kinds, {}, "none" in cfg.schemes)):
+        return {}, 0  # one option per layer (e.g. quant.schemes=[int8]): nothing to choose, only the whole to measure
+    if cfg.sensitivity:
+        expected = {n: [k for k in kinds if candidates.scheme(n, k) is not None] for n in candidates.layers}
+        return load_table(cfg.sensitivity, fingerprint, expected), 0
+    return measure_layers(lm, candidates, meter, kinds, ws)
+
+
+def _search(
+    layers: list[str],
+    options: list[list[Option]],
+    budget: Budget,
+    measured: Callable[[dict[str, str]], float],
+    schemes: list[str],
+) -> tuple[dict[str, Option], list[dict[str, Any]]]:
+    """The cheapest assignment whose whole measurement meets the budget, and every round tried."""
+    rounds, target, tried = [], budget.limit, set()
+    for _ in range(ROUNDS):
+        picks = cheapest([[(o.bytes, o.cost(budget)) for o in unit] for unit in options], target)
+        if picks is None or tuple(picks) in tried:  # nothing fits a smaller target, or no other choice
+            break
+        tried.add(tuple(picks))
+        picked = {n: options[u][j] for u, (n, j) in enumerate(zip(layers, picks, strict=True))}
+        cost = measured({n: o.kind for n, o in picked.items() if o.kind != "none"})
+        predicted = sum(o.cost(budget) for o in picked.values())
+        size = sum(o.bytes for o in picked.values())
+        shown = {"predicted": budget.shown(predicted), "measured": budget.shown(cost), "bytes": size}
+        rounds.append({"target": budget.shown(target), **shown})
+        if cost <= budget.limit:
+            return picked, rounds
+        # Below this assignment's own prediction, scaled by how far the whole overshot it: the next round must
+        # choose another (a target that only shrinks from the budget may still admit the same one).
+        target = min(target, predicted) * SHRINK * budget.limit / cost
+    # No round at all: costs rounded up to the budget's steps left no assignment within it (the floor is close).
+    floor = sum(min(o.cost(budget) for o in unit) for unit in options)
+    best, how = min(((r["measured"], "measured") for r in rounds), default=(budget.shown(floor), "predicted"))
+    raise LitPplError(
+        f"quant.budget.{budget.metric}={budget.value:g} is not met on the calibration text: the best reachable "
+        f"with quant.schemes={schemes} is {best:.4g} ({how}, {len(rounds)} assignments tried); raise the budget"
+    )
+
+
+def _check_reachable(
+    budget: Budget, layers: list[str], options: list[list[Option]], cfg: QuantConfig, reused: bool
+) -> None:
+    """A budget the least sensitive assignment exceeds, predicted, is one line before any round runs."""
+    floor = sum(min(o.cost(budget) for o in unit) for unit in options)
+    if floor > budget.limit:
+        source = f" from quant.sensitivity={cfg.sensitivity!r}" if reused else ""
+        raise LitPplError(
+            f"quant.budget.{budget.metric}={budget.value:g} cannot be met with quant.schemes={list(cfg.schemes)}: "
+            f"the least reachable on the calibration text is {budget.shown(floor):.4g} (predicted{source}); raise "
+            "the budget or add none to quant.schemes"
+        )
+
+
+def _check_quantizes(budget: Budget, quantized: dict[str, Any], layers: list[str], options: list[list[Option]]) -> None:
+    """A budget met only by full precision everywhere is the user's to know: one line with the smallest change."""
+    if quantized:
+        return
+    least, where = min(
+        (o.cost(budget), f"{o.kind} on {n}")
+        for n, u in zip(layers, options, strict=True)
+        for o in u
+        if o.kind != "none"
+    )
+    raise LitPplError(
+        f"quant.budget.{budget.metric}={budget.value:g} leaves every layer in full precision: the smallest "
+        f"change one quantized layer makes on the calibration text is {budget.shown(least):.4g} ({where}); "
+        "raise the budget, or use quant=none"
+    )
+
+
+def choose_policy(
+    lm: nn.Module, cfg: QuantConfig, calibration: Calibration, rank: int, world_size: int
+) -> tuple[QuantConfig, dict[str, Any]]:
+    """The ``quant=policy`` config that holds the fewest bytes within ``cfg``'s budget, and the facts for
+    ``results.json`` (``quant.auto``)."""
+    t0 = time.perf_counter()
+    budget = Budget.from_config(cfg)
+    kinds = [k for k in cfg.schemes if k != "none"]
+    candidates = Candidates(lm, cfg, kinds, calibration, (rank, world_size))
+    layers = candidates.layers
+    if not layers:
+        raise LitPplError(f"quant=auto finds no linear layer that {', '.join(kinds)} can take in {type(lm).__name__}")
+    lists = {b[0] for b in map(block_of, layers) if b is not None}
+    chunk = auto_chunk("auto", lm.get_output_embeddings().weight.shape[0], CHUNK_BUDGET_MB, "compare")
+    meter = Meter(lm, calibration, rank, world_size, chunk, lists.pop() if len(lists) == 1 else None)
+    device = next(lm.parameters()).device
+
+    def measured(quantized: dict[str, str]) -> float:
+        """The budget's cost of these layers quantized together, on every rank's calibration tokens."""
+        return budget.cost(sums(quantized))
+
+    def sums(quantized: dict[str, str]) -> torch.Tensor:
+        with installed(lm, {n: candidates.weight(n, k) for n, k in quantized.items()}):
+            return all_reduce(meter.measure().to(device), world_size).cpu()
+
+    base = sums({})
+    fingerprint = {
+        "schemes": list(cfg.schemes),
+        "method": cfg.method,
+        "group_size": cfg.group_size,
+        "layers": layers,
+        "tokens": int(base[3]),
+        "nll": float(base[2] / base[3]),  # the float model's mean NLL on the calibration text: model, text, dtype
+    }
+    t1 = time.perf_counter()
+    table, passes = _table(lm, cfg, candidates, meter, kinds, fingerprint, world_size)
+    t2 = time.perf_counter()
+    options = unit_options(lm, candidates, kinds, table, "none" in cfg.schemes)
+    _check_reachable(budget, layers, options, cfg, bool(cfg.sensitivity and table))
+    chosen, rounds = _search(layers, options, budget, measured, list(cfg.schemes))
+    quantized = {n: candidates.scheme(n, o.kind) for n, o in chosen.items() if o.kind != "none"}
+    _check_quantizes(budget, quantized, layers, options)
+    policy = policy_node(cfg, quantized)
+    seconds = {"passes": passes, "replayed_blocks": meter.replay, "seconds_candidates": t1 - t0}
+    seconds |= {"seconds_layers": t2 - t1, "seconds": time.perf_counter() - t0}
+    info = _facts(lm, budget, layers, options, kinds, chosen, quantized, table, rounds, fingerprint, cfg, seconds)
+    info["policy"] = policy
+    return dataclasses.replace(cfg, name="policy", rules=policy["rules"]), info
+
+
+def _facts(
+    lm: nn.Module,
+    budget: Budget,
+    layers: list[str],
+    options: list[list[Option]],
+    kinds: list[str],
+    chosen: dict[str, Option],
+    quantized: dict[str, Any],
+    table: Table,
+    rounds: list[dict[str, Any]],
+    fingerprint: dict[str, Any],
+    cfg: QuantConfig,
+    measurement: dict[str, Any],
+) -> dict[str, Any]:
+    """``results.json``'s ``quant.auto`` (without the policy), and the log's one line."""
+    by_scheme: dict[str, dict[str, int]] = {}
+    for name, option in chosen.items():
+        label = quantized[name][0].label if name in quantized else "none"
+        entry = by_scheme.setdefault(label, {"layers": 0, "bytes": 0})
+        entry["layers"], entry["bytes"] = entry["layers"] + 1, entry["bytes"] + option.bytes
+    full = sum(packed_bytes(NONE, lm.get_submodule(n).weight) for n in layers)
+    uniform = {k: sum(next((o.bytes for o in u if o.kind == k), u[0].bytes) for u in options) for k in kinds}
+    info = {
+        "budget": {budget.metric: budget.value},
+        "predicted": rounds[-1]["predicted"] if table else None,  # nothing measured alone: nothing predicted
+        "measured_calibration": rounds[-1]["measured"],
+        "bytes": rounds[-1]["bytes"],
+        "bytes_full_precision": full,
+        "bytes_uniform": uniform,  # every layer the scheme takes; the rest in full precision
+        "by_scheme": by_scheme,
+        "rounds": rounds,
+        "choice": {name: option.kind for name, option in chosen.items()},
+        "calibration_tokens": fingerprint["tokens"],
+        "fingerprint": fingerprint,
+        "sensitivity_from": cfg.sensitivity,
+        "measurement": measurement,
+        "sensitivity": table,
+    }
+    predicted = "" if info["predicted"] is None else f", predicted {info['predicted']:.4g}"
+    log.warning(
+        "quant=auto: %s within %s=%g (measured %.4g on the calibration text%s): %d of %d bytes",
+        ", ".join(f"{v['layers']} {k}" for k, v in by_scheme.items()),
+        budget.metric,
+        budget.value,
+        info["measured_calibration"],
+        predicted,
+        info["bytes"],
+        full,
+    )
+    return info
