@@ -21,14 +21,27 @@ from lit_ppl.config.guard import check_output_location, check_targets, construct
 from lit_ppl.config.numbers import number_keys, progress_keys
 from lit_ppl.config.quant import QuantConfig, quant_config
 from lit_ppl.config.schema import ParallelConfig, ValidateConfig
+from lit_ppl.config.values import REFERENCE_DTYPES
 from lit_ppl.data import autobatch, balance
 from lit_ppl.data.batch_plan import BatchPlan
 from lit_ppl.data.sources import DataSpec
 from lit_ppl.errors import LitPplError
+from lit_ppl.model.nll import auto_chunk
 from lit_ppl.model.spec import ModelSpec
 from lit_ppl.parallel import layout as parallel
 from lit_ppl.parallel import tensor_parallel
 from lit_ppl.quant.quantizer import check_layout
+from lit_ppl.runtime.precision import Precision, device_type
+
+
+@dataclass(frozen=True)
+class Reference:
+    """``compare.reference`` read and checked: which model, its quantization and its weights' dtype (``None``: the
+    run's precision)."""
+
+    model: ModelSpec
+    quant: QuantConfig
+    dtype: torch.dtype | None
 
 
 @dataclass
@@ -47,6 +60,10 @@ class Plan:
     quant: QuantConfig  # every default from the schema (lit_ppl.quant reads it as it is)
     breakdown: bool  # per-document and per-position sums: kept only when a report reads them
     model_identity: dict[str, Any]  # the weights' files with their times (lit_ppl.model.spec.ModelSpec.identity)
+    precision: Precision  # decoded once: the weights' dtype, whether it casts them
+    device: str  # where the run computes: cuda or cpu
+    chunk_size: int  # scored positions per output-head chunk (eval.chunk_size=auto resolved)
+    reference: Reference | None  # a live comparison's reference model (compare.reference), checked
 
     @property
     def deterministic(self) -> bool:
@@ -93,6 +110,37 @@ def check_output_dir(path: str) -> Path:
     return out
 
 
+def resolve_reference(reference: Any, model: ModelSpec, precision: Precision) -> Reference | None:
+    """The live reference of ``compare.reference`` (a path, or ``{path, dtype, quant}``), checked against the
+    candidate: the same tokenizer and vocabulary, a dtype the run's precision can hold. ``None`` without one, or for
+    a saved reference (``store``), which is read instead."""
+    if not reference or (isinstance(reference, dict) and reference.get("store")):
+        return None
+    ref = {"path": reference} if isinstance(reference, str) else dict(reference)
+    path = ref.get("path") or model.path
+    # gguf_file is the candidate's file, not the reference's (a reference FILE.gguf sets its own from its path).
+    spec = dataclasses.replace(model, path=path, gguf_file=None) if path != model.path else model
+    if spec is model and model.stored_quantization() is not None:  # else: the stored model against itself, KL 0
+        raise LitPplError(
+            f"model.path={model.path!r} is stored quantized ({model.stored_quantization()['name']}): it has no "
+            "unquantized version to compare with; set compare.reference.path=the float checkpoint"
+        )
+    name = ref.get("dtype")
+    if name is not None and name not in REFERENCE_DTYPES:
+        raise LitPplError(f"compare.reference.dtype={name!r} is not one of {', '.join(REFERENCE_DTYPES)}")
+    dtype = getattr(torch, name) if name else None
+    if dtype is not None and precision.casts_weights and dtype != precision.weights:
+        raise LitPplError(
+            f"compare.reference.dtype={dtype} cannot hold under precision={precision.name}, which casts every "
+            "weight to its dtype; use a mixed precision (e.g. bf16-mixed) or 32-true for the run"
+        )
+    if spec is not model and (
+        spec.limits()[0] != model.limits()[0] or spec.tokenizer().fingerprint != model.tokenizer().fingerprint
+    ):
+        raise LitPplError(f"the reference {path} has another tokenizer or vocabulary than {model.path}")
+    return Reference(spec, quant_config(ref.get("quant") or {"name": "none"}), dtype)
+
+
 def check_outputs(typed: ValidateConfig) -> None:
     """A saved reference is read alone (no reference model besides), and a run saving one scores one model."""
     reference = typed.compare.reference
@@ -129,7 +177,7 @@ def resolve_layout(name: str, p: ParallelConfig, devices: int, num_nodes: int) -
 def count_devices(accelerator: str, devices: Any) -> int:
     """``trainer.devices`` as a number: ``-1``/``auto`` (every GPU) and a list of GPU ids counted here, not by
     Lightning, because the layout is checked before the Trainer exists."""
-    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    on_gpu = device_type(accelerator) == "cuda"
     if isinstance(devices, list) and devices:
         return len(devices)
     if devices in (-1, "-1", "auto"):
@@ -198,8 +246,14 @@ def preflight(cfg: DictConfig) -> Plan:
         model_config = model.config()
         layout.check_model(tensor_parallel.widths(model_config))
         tensor_parallel.check_plan(model_config)
+    if limits[1] is not None and typed.eval.seq_len > limits[1]:
+        raise LitPplError(
+            f"eval.seq_len={typed.eval.seq_len} exceeds the model's maximum of {limits[1]} positions; "
+            f"use eval.seq_len<={limits[1]}"
+        )
+    precision = Precision.of(typed.precision)
     quant = quant_config(plain["quant"])
-    if quant.name != "none" and typed.precision in ("64-true", "64"):
+    if quant.name != "none" and precision.weights == torch.float64:
         raise LitPplError(
             f"quant={quant.name} with precision={typed.precision}: torchao's quantized weights take bfloat16, "
             "float16 or float32 inputs, not float64; use precision=32-true (or bf16-true)"
@@ -212,4 +266,8 @@ def preflight(cfg: DictConfig) -> Plan:
     batch = BatchPlan(typed.batch_size, dist.balance, dist.weights, dataclasses.asdict(typed.autobatch))
     breakdown = bool(typed.report.per_document) or typed.report.plots or typed.report.html
     data = construct(plain["data"])
-    return Plan(typed, plain, out, devices, layout, model, data, limits, batch, quant, breakdown, model.identity())
+    reference = resolve_reference(typed.compare.reference, model, precision)
+    path = "compare" if typed.compare.reference else "nll"
+    chunk = auto_chunk(typed.eval.chunk_size, limits[0], typed.eval.chunk_budget_mb, path)
+    facts = (model.identity(), precision, device_type(accelerator), chunk, reference)
+    return Plan(typed, plain, out, devices, layout, model, data, limits, batch, quant, breakdown, *facts)

@@ -19,13 +19,12 @@ from lit_ppl.config.values import ConfigError
 from lit_ppl.data.datamodule import PerplexityDataModule
 from lit_ppl.errors import EXIT_CONFIG, UserError, first_line
 from lit_ppl.evaluation.agreement import AgreementCheck
-from lit_ppl.evaluation.compare import CompareModule, SavedCompareModule, reference_spec
+from lit_ppl.evaluation.compare import CompareModule, SavedCompareModule
 from lit_ppl.evaluation.module import PerplexityModule
 from lit_ppl.evaluation.pages import ReportSample
 from lit_ppl.evaluation.reference import TokenOutputs
 from lit_ppl.evaluation.resume import EXIT_PREEMPTED, Preempted, ResumeCallback
 from lit_ppl.evaluation.trainer import build_trainer
-from lit_ppl.model.nll import auto_chunk
 from lit_ppl.parallel.ranks import peer_failure, rank
 from lit_ppl.parallel.strategies import join_launched_ranks
 from lit_ppl.preflight import Plan, preflight
@@ -117,39 +116,37 @@ def build_datamodule(plan: Plan) -> PerplexityDataModule:
 
 
 def build_module(plan: Plan, datamodule: PerplexityDataModule) -> PerplexityModule:
-    """A :class:`SavedCompareModule` for ``compare.reference.store``, a :class:`CompareModule` for another
-    ``compare.reference``, else a
-    :class:`PerplexityModule`; each with the run's per-token files (``report.per_token``, ``save_reference``)."""
+    """A :class:`SavedCompareModule` for ``compare.reference.store``, a :class:`CompareModule` for a live
+    ``compare.reference``, else a :class:`PerplexityModule`; each with the run's per-token files
+    (``report.per_token``, ``save_reference``)."""
     run = plan.cfg
     # Calibrated methods tokenize their text now, like the evaluated text, which theirs must not be.
-    quantizer = build_quantizer(
-        plan.quant, datamodule.tokenizer, datamodule.spec, run.distributed.timeout_s, plan.model, plan.layout.sharded
-    )
-    reference = run.compare.reference
-    store = reference.get("store") if isinstance(reference, dict) else None
-    path = "compare" if reference or store else "nll"
-    chunk = auto_chunk(run.eval.chunk_size, plan.limits[0], run.eval.chunk_budget_mb, path)
+    timeout, split = run.distributed.timeout_s, plan.layout.sharded
+    quantizer = build_quantizer(plan.quant, datamodule.tokenizer, datamodule.spec, timeout, plan.model, split)
     outputs = None
     if run.report.per_token or run.save_reference:
         save = Path(run.save_reference).expanduser() if run.save_reference else None
         outputs = TokenOutputs(plan.output_dir if run.report.per_token else None, save)
     options = {
-        "chunk_size": chunk,
+        "chunk_size": plan.chunk_size,
+        "precision": plan.precision,
         "layout": plan.layout,
         "quantize": quantizer,
-        "timeout_s": run.distributed.timeout_s,
+        "timeout_s": timeout,
         "compile_decoder": run.compile,
         "deterministic": plan.deterministic,
         "breakdown": plan.breakdown,
         "outputs": outputs,
         "report_sample": ReportSample() if run.report.html else None,
     }
+    store = run.compare.reference.get("store") if isinstance(run.compare.reference, dict) else None
     if store:
         return SavedCompareModule(plan.model, str(Path(store).expanduser()), **options)
-    if not reference:
+    ref = plan.reference
+    if ref is None:
         return PerplexityModule(plan.model, **options)
-    spec, ref_quantize, ref_dtype = reference_spec(reference, plan.model, plan.layout.sharded)
-    return CompareModule(plan.model, spec, reference_quantize=ref_quantize, reference_dtype=ref_dtype, **options)
+    ref_quantizer = build_quantizer(ref.quant, model=ref.model, split=split)
+    return CompareModule(plan.model, ref.model, reference_quantize=ref_quantizer, reference_dtype=ref.dtype, **options)
 
 
 def run_facts(plan: Plan, trainer: L.Trainer, datamodule: PerplexityDataModule) -> dict[str, Any]:
@@ -171,7 +168,7 @@ def run_facts(plan: Plan, trainer: L.Trainer, datamodule: PerplexityDataModule) 
             "measured_tokens_per_s": batch.measured_tokens_per_s,
         },
         "precision": run.precision,
-        "chunk_size": trainer.lightning_module.chunk_size,  # the resolved number under eval.chunk_size=auto
+        "chunk_size": plan.chunk_size,  # the resolved number under eval.chunk_size=auto
         "model": plan.model.path,
         "model_identity": plan.model_identity,
         "data": datamodule.describe(),

@@ -167,11 +167,6 @@ class PerplexityDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.corpus is not None:
             return
-        if self.limits is not None and self.limits[1] is not None and self.seq_len > self.limits[1]:
-            raise LitPplError(
-                f"eval.seq_len={self.seq_len} exceeds the model's maximum of {self.limits[1]} positions; "
-                f"use eval.seq_len<={self.limits[1]}"
-            )
         self.store = prepare(self.spec, self.tokenizer, self.timeout_s, progress=False)
         corpus = Corpus.open(self.store)
         vocab = self.limits[0] if self.limits is not None else None

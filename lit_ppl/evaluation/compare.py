@@ -9,26 +9,20 @@ saved once (``compare=saved``, :mod:`lit_ppl.evaluation.reference`). Both feed t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lit_ppl.config.values import REFERENCE_DTYPES
 from lit_ppl.errors import LitPplError
-from lit_ppl.evaluation.module import LOAD_DTYPE, PerplexityModule
+from lit_ppl.evaluation.module import PerplexityModule
 from lit_ppl.evaluation.reference import SavedReference, StoredHead, store_keys, vocab_rows
 from lit_ppl.metrics.kl import KLDivergence, token_stats
+from lit_ppl.model.placement import place, place_head
 from lit_ppl.model.scorer import CHECK_TOLERANCE, CHECK_TOLERANCE_16BIT, TokenScorer, check_scorer
 from lit_ppl.model.spec import ModelSpec
-from lit_ppl.parallel.layout import Layout
-from lit_ppl.parallel.sharding import fsdp_mesh
 from lit_ppl.quant.quantizer import Quantizer
-from lit_ppl.quant.quantizer import build as build_quantizer
-
-DTYPES = {name: getattr(torch, name) for name in REFERENCE_DTYPES}
 
 
 class KLModule(PerplexityModule):
@@ -80,32 +74,27 @@ class KLModule(PerplexityModule):
 class CompareModule(KLModule):
     """A :class:`KLModule` whose reference is a second model, run on every batch.
 
-    The candidate (``model`` + ``quantize``) gives the usual perplexity result. The reference is built by
-    :class:`PerplexityModule`'s one pipeline, quantized, split and sharded like the candidate.
+    The candidate (``model`` + ``quantize``) gives the usual perplexity result. The reference is placed by the
+    same call (:func:`lit_ppl.model.placement.place`): quantized, split and sharded like the candidate.
 
     Args:
         model: the candidate model.
-        reference: the reference model (same tokenizer and vocabulary).
-        chunk_size: scored positions per output-head chunk, for both models.
-        layout: as for :class:`PerplexityModule`; both models are built, split and sharded alike.
-        quantize: the candidate's quantization callable (or ``None``).
-        reference_quantize: the reference's quantization callable (or ``None``).
+        reference: the reference model (same tokenizer and vocabulary: checked by :mod:`lit_ppl.preflight`).
+        reference_quantize: the reference's :class:`~lit_ppl.quant.quantizer.Quantizer` (or ``None``).
         reference_dtype: the reference's weight dtype (``None``: the run's precision); under a mixed
             precision the reference then runs with autocast off, so it really computes in that dtype.
+        kwargs: as for :class:`PerplexityModule` (``chunk_size``, ``layout``, ...), for both models.
     """
 
     def __init__(
         self,
         model: ModelSpec,
         reference: ModelSpec,
-        chunk_size: int = 1024,
-        layout: Layout | None = None,
-        quantize: Any = None,
-        reference_quantize: Any = None,
+        reference_quantize: Quantizer | None = None,
         reference_dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model, chunk_size=chunk_size, layout=layout, quantize=quantize, **kwargs)
+        super().__init__(model, **kwargs)
         self.ref_spec, self.ref_quantize, self.ref_dtype = reference, reference_quantize, reference_dtype
         self.reference: TokenScorer | None = None  # built by the same pipeline as the candidate
         self.reference_report: Any = None
@@ -113,16 +102,9 @@ class CompareModule(KLModule):
     def configure_model(self) -> None:
         if self.scorer is not None:
             return
-        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
-        dtype = LOAD_DTYPE.get(precision, torch.float32)
-        ref_dtype = self.ref_dtype or dtype
-        if precision in LOAD_DTYPE and ref_dtype != dtype:
-            raise LitPplError(
-                f"compare.reference.dtype={ref_dtype} cannot hold under precision={precision}, which casts every "
-                "weight to its dtype; use a mixed precision (e.g. bf16-mixed) or 32-true for the run"
-            )
-        super().configure_model()  # the candidate, through the one build pipeline
-        self.reference, self.reference_report = self.build_scorer(self.ref_spec, self.ref_quantize, ref_dtype)
+        super().configure_model()  # the candidate, then the reference, through the one placement
+        dtype = self.ref_dtype or self.precision.weights
+        self.reference, self.reference_report = place(self.ref_spec, self.placement, dtype, self.ref_quantize)
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
@@ -173,13 +155,7 @@ class SavedCompareModule(KLModule):
             return
         super().configure_model()
         assert self.saved is not None and self.scorer is not None
-        head = self.saved.head(vocab_rows(self.scorer)).to(self.device)
-        dp_mesh = fsdp_mesh(self.mesh, self.layout) if self.layout is not None and self.layout.sharded else None
-        if dp_mesh is not None:
-            from torch.distributed.fsdp import fully_shard
-
-            fully_shard(head, mesh=dp_mesh, reshard_after_forward=False)  # gathered once per batch, then resharded
-        self.stored_head = head
+        self.stored_head = place_head(self.saved.head(vocab_rows(self.scorer)), self.placement)
 
     def reference_stats(self, batch: dict[str, Any], hidden: Tensor, scorer: TokenScorer) -> dict[str, Tensor]:
         assert self.saved is not None and self.stored_head is not None
@@ -214,28 +190,3 @@ class SavedCompareModule(KLModule):
                 f"compare.reference.store={self.store_dir!r}: its head and hidden states give NLLs {gap:.3g} away "
                 f"from the ones it saved (tolerance {tolerance:g}): the store is damaged"
             )
-
-
-def reference_spec(
-    reference: str | dict[str, Any], model: ModelSpec, split: bool = False
-) -> tuple[ModelSpec, Quantizer | None, torch.dtype | None]:
-    """``(spec, quantizer, dtype)`` of ``compare.reference``: a path, or ``{path, dtype, quant}`` (``split``: the
-    layout splits the model, so a reference stored quantized is restored as stored)."""
-    ref = {"path": reference} if isinstance(reference, str) else dict(reference)
-    path = ref.get("path") or model.path
-    # gguf_file is the candidate's file, not the reference's (a reference FILE.gguf sets its own from its path).
-    spec = dataclasses.replace(model, path=path, gguf_file=None) if path != model.path else model
-    if spec is model and model.stored_quantization() is not None:  # else: the stored model against itself, KL 0
-        raise LitPplError(
-            f"model.path={model.path!r} is stored quantized ({model.stored_quantization()['name']}): it has no "
-            "unquantized version to compare with; set compare.reference.path=the float checkpoint"
-        )
-    dtype = ref.get("dtype")
-    if dtype is not None and dtype not in DTYPES:
-        raise LitPplError(f"compare.reference.dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    if spec is not model and (
-        spec.limits()[0] != model.limits()[0] or spec.tokenizer().fingerprint != model.tokenizer().fingerprint
-    ):
-        raise LitPplError(f"the reference {path} has another tokenizer or vocabulary than {model.path}")
-    quantizer = build_quantizer(ref.get("quant") or {"name": "none"}, model=spec, split=split)
-    return spec, quantizer, DTYPES.get(dtype) if dtype else None

@@ -7,38 +7,21 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch import nn
 from torchmetrics import Metric
 
-from lit_ppl.config.schema import DistributedConfig
+from lit_ppl.config.schema import DistributedConfig, ValidateConfig
 from lit_ppl.data.batch_plan import ScorerProbe
-from lit_ppl.errors import LitPplError
 from lit_ppl.evaluation.pages import ReportSample
 from lit_ppl.evaluation.reference import TokenOutputs
 from lit_ppl.metrics.perplexity import NLLBreakdown, Perplexity
-from lit_ppl.model.checkpoint import key_problem
+from lit_ppl.model.placement import Placement, place, weight_bytes
 from lit_ppl.model.scorer import TokenScorer, check_scorer
 from lit_ppl.model.spec import ModelSpec
 from lit_ppl.parallel.layout import Layout
 from lit_ppl.parallel.ranks import check_peers, control_group
-from lit_ppl.parallel.sharding import (
-    device_mesh,
-    fsdp_mesh,
-    fully_shard_blocks,
-    load_from_rank0,
-    materialize,
-    shard_quantized_rows,
-    tp_group,
-    unloaded,
-    weight_bytes,
-)
-from lit_ppl.parallel.tensor_parallel import parallelize
 from lit_ppl.quant.quantizer import Quantizer
 from lit_ppl.runtime.memory import keep_freed_memory_in_heap, rank_memory, rank_peak_memory
-
-# Weights are loaded directly in the dtype a "*-true" precision computes in (a 70B checkpoint must not
-# pass through float32 first); mixed precisions keep float32 weights and autocast.
-LOAD_DTYPE = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+from lit_ppl.runtime.precision import Precision
 
 
 def _to_host(value: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
@@ -51,8 +34,10 @@ class PerplexityModule(L.LightningModule):
     """Evaluates a causal LM's perplexity in ``trainer.validate``.
 
     Args:
-        model: which LM to load; it is built in ``configure_model`` so that it can be split as it loads.
+        model: which LM to load; it is built in ``configure_model`` so that it can be split as it loads
+            (:func:`lit_ppl.model.placement.place`).
         chunk_size: scored positions per output-head chunk (bounds the logits memory).
+        precision: the run's precision (the weights' dtype; ``None``: the schema's default).
         layout: how the ranks split the model and the data (:mod:`lit_ppl.parallel.layout`); ``None``: one process.
         quantize: the :class:`~lit_ppl.quant.quantizer.Quantizer` applied once the model holds its weights (each
             rank's tensor-parallel slices) and before FSDP shards it, or ``None``; its report's ``quantized_params``
@@ -69,7 +54,8 @@ class PerplexityModule(L.LightningModule):
     def __init__(
         self,
         model: ModelSpec,
-        chunk_size: int = 1024,
+        chunk_size: int,
+        precision: Precision | None = None,
         layout: Layout | None = None,
         quantize: Quantizer | None = None,
         timeout_s: float = DistributedConfig.timeout_s,
@@ -87,7 +73,8 @@ class PerplexityModule(L.LightningModule):
         self.output_files: dict[str, Any] = {}  # rank 0: where the per-token files went (results.json)
         self.deterministic, self.want_breakdown, self.compile_decoder = deterministic, breakdown, compile_decoder
         self.spec, self.chunk_size, self.layout, self.quantize = model, chunk_size, layout, quantize
-        self.mesh: Any = None  # the layout's device mesh, built once in configure_model
+        self.precision = precision or Precision.of(ValidateConfig.precision)
+        self.placement: Placement | None = None  # where the run's models go, decided once in configure_model
         self.accumulate = True  # False on tensor-parallel ranks other than the first: their NLLs are its copies
         self.timeout_s, self.quant_report = timeout_s, None
         self.scorer: TokenScorer | None = None
@@ -101,13 +88,11 @@ class PerplexityModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.scorer is not None:
             return
-        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
-        dtype = LOAD_DTYPE.get(precision, torch.float32)
-        layout = self.layout
-        if layout is not None and layout.sharded:
-            self.mesh = device_mesh(layout, self.device.type)
-            self.accumulate = layout.tp_rank(self.global_rank) == 0
-        self.scorer, self.quant_report = self.build_scorer(self.spec, self.quantize, dtype)
+        broadcast = self.trainer.strategy.broadcast if self._trainer is not None else lambda obj: obj
+        self.placement = Placement(self.layout, self.device, self.chunk_size, broadcast, self.compile_decoder)
+        if self.placement.split:
+            self.accumulate = self.layout.tp_rank(self.global_rank) == 0
+        self.scorer, self.quant_report = place(self.spec, self.placement, self.precision.weights, self.quantize)
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
@@ -119,73 +104,6 @@ class PerplexityModule(L.LightningModule):
         """
         names = [n for n, _ in self.named_parameters(remove_duplicate=False)]
         return names + [n for n, _ in self.named_buffers(remove_duplicate=False)]
-
-    def build_scorer(self, spec: ModelSpec, quantize: Any, dtype: torch.dtype) -> Any:
-        """The one pipeline for every model of the run: build → split (TP) → load → quantize → shard (FSDP).
-
-        Returns ``(scorer, quantization report or None)``. Split layouts build on the meta device, so that no rank
-        but the reader ever holds the whole model (:mod:`lit_ppl.parallel.sharding`); the built-in model is built whole
-        (it is small and seeded alike on every rank) and split the same way.
-        """
-        layout = self.layout
-        if layout is None or not layout.sharded:
-            lm = spec.build(dtype, self.device)
-            report = quantize.quantize(lm) if quantize is not None else None
-            return self._finish(TokenScorer(lm, self.chunk_size)), report
-        tp = tp_group(self.mesh, layout)
-        lm = spec.build(dtype) if spec.is_builtin else spec.build_empty(dtype)
-        expected = set(lm.state_dict())
-        splits = parallelize(lm, tp) if tp is not None else {}
-        scorer = TokenScorer(lm, self.chunk_size, tp)
-        dp_mesh = fsdp_mesh(self.mesh, layout)
-        if quantize is None and dp_mesh is not None:
-            fully_shard_blocks(scorer, dp_mesh, set())
-        read: Any = None
-        if not spec.is_builtin:
-            materialize(scorer, self.device)
-            read = self._load(spec, lm, dtype, expected, splits, tp, quantize)
-        report = quantize.quantize(lm, tp, splits, read) if quantize is not None else None
-        if report is not None and dp_mesh is not None:
-            # FSDP2 cannot hold torchao's tensors: their rows are sharded by hand, the rest by fully_shard.
-            shard_quantized_rows(lm, report.quantized_params, self.mesh["dp_shard"].get_group())
-            quantized = {p for p in lm.parameters() if hasattr(p, "__tensor_flatten__")}
-            fully_shard_blocks(scorer, dp_mesh, quantized)
-        return self._finish(scorer), report
-
-    def _load(
-        self, spec: ModelSpec, lm: nn.Module, dtype: torch.dtype, expected: set, splits: Any, tp: Any, q: Any
-    ) -> Any:
-        """Rank 0 reads the checkpoint as ``from_pretrained`` does, checks that its tensors are exactly the model's
-        and broadcasts them; :func:`lit_ppl.parallel.sharding.unloaded` proves no parameter was left NaN. Returns
-        what the quantizer read of the whole checkpoint (:meth:`~lit_ppl.quant.quantizer.Quantizer.read`)."""
-        full: dict[str, torch.Tensor] = {}
-        problem, read = None, None
-        if self.global_rank == 0:
-            try:
-                full = spec.full_state_dict(dtype)
-                problem = key_problem(spec.path, expected - set(full), set(full) - expected)
-                read = q.read(full) if q is not None else None
-            except LitPplError as err:  # told to every rank below, so that none waits for a broadcast
-                problem = str(err)
-        problem, read = self.trainer.strategy.broadcast((problem, read))
-        if problem:
-            raise LitPplError(problem)
-        load_from_rank0(lm, full, splits, tp)
-        missing = unloaded(lm)
-        if missing:
-            raise LitPplError(
-                f"model.path={spec.path!r}: {len(missing)} parameters hold NaN after sharded loading "
-                f"({', '.join(missing[:5])}): the checkpoint holds NaN there, or no tensor reached them (a bug in "
-                "lit-ppl: please report it)"
-            )
-        return read
-
-    def _finish(self, scorer: TokenScorer) -> TokenScorer:
-        if self.compile_decoder:
-            from lit_ppl.model.compiling import compile_decoder
-
-            compile_decoder(scorer)
-        return scorer
 
     def setup(self, stage: str) -> None:
         dm = self.trainer.datamodule
@@ -203,7 +121,7 @@ class PerplexityModule(L.LightningModule):
         balance)."""
         trainer = self.trainer
         context = trainer.precision_plugin.val_step_context
-        return ScorerProbe(self.scorer, self.spec.path, str(trainer.precision), self.chunk_size, context, self.device)
+        return ScorerProbe(self.scorer, self.spec.path, self.precision.name, self.chunk_size, context, self.device)
 
     def sample_fields(self) -> tuple[str, ...]:
         """The per-token values ``report.html`` shows (a comparison adds its own)."""
@@ -308,11 +226,10 @@ class PerplexityModule(L.LightningModule):
         per_rank = self.all_gather(torch.tensor(mine, device=self.device)).reshape(-1, 6)
         if int(stats["nonfinite"]) > 0:
             first = {r: int(s) for r, s in enumerate(per_rank[:, 2].tolist()) if s >= 0}
-            precision = str(self.trainer.precision)
             hint = (
                 "the model itself produces them: check its weights"
-                if precision in ("32-true", "64-true", "32", "64")
-                else f"the model overflows in precision={precision}: try 32-true or bf16-mixed"
+                if self.precision.full
+                else f"the model overflows in precision={self.precision.name}: try 32-true or bf16-mixed"
             )
             raise FloatingPointError(
                 f"{int(stats['nonfinite'])} tokens had a NaN/inf loss (first at batch {first} by rank); {hint}"

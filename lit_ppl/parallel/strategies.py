@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from lit_ppl.parallel.layout import Layout
+from lit_ppl.runtime.precision import device_type
 
 
 def precision_args(layout: Layout, precision: str, accelerator: str) -> dict:
@@ -30,10 +30,7 @@ def precision_args(layout: Layout, precision: str, accelerator: str) -> dict:
         return {"precision": precision}
     from lightning.pytorch.plugins import DoublePrecision, MixedPrecision
 
-    device = (
-        "cuda" if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()) else "cpu"
-    )
-    plugin = DoublePrecision() if precision.startswith("64") else MixedPrecision("16-mixed", device)
+    plugin = DoublePrecision() if precision.startswith("64") else MixedPrecision("16-mixed", device_type(accelerator))
     return {"plugins": [plugin]}
 
 
