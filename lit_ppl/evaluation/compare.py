@@ -19,7 +19,8 @@ from torch import Tensor
 from lit_ppl.config.values import REFERENCE_DTYPES
 from lit_ppl.errors import LitPplError
 from lit_ppl.evaluation.module import LOAD_DTYPE, PerplexityModule
-from lit_ppl.evaluation.reference import SavedReference, StoredHead, store_keys, vocab_rows
+from lit_ppl.evaluation.reference import store_keys
+from lit_ppl.evaluation.saved_reference import SavedReference, StoredHead, vocab_rows
 from lit_ppl.metrics.kl import KLDivergence, token_stats
 from lit_ppl.model.scorer import CHECK_TOLERANCE, CHECK_TOLERANCE_16BIT, TokenScorer, check_scorer
 from lit_ppl.model.spec import ModelSpec
@@ -166,7 +167,8 @@ class SavedCompareModule(KLModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if self.saved is None:
-            self.saved = SavedReference(self.store_dir, store_keys(self.trainer.datamodule))
+            dm = self.trainer.datamodule
+            self.saved = SavedReference(self.store_dir, store_keys(dm), dm.first_token)
 
     def configure_model(self) -> None:
         if self.stored_head is not None:
@@ -183,7 +185,7 @@ class SavedCompareModule(KLModule):
 
     def reference_stats(self, batch: dict[str, Any], hidden: Tensor, scorer: TokenScorer) -> dict[str, Tensor]:
         assert self.saved is not None and self.stored_head is not None
-        hidden_base, nll_saved = self.saved.read(batch["token_index"], batch["targets"], hidden.device)
+        hidden_base, nll_saved = self.saved.read(batch, hidden.device)
         head = self.stored_head
         sharded = hasattr(head, "unshard")  # its own FSDP root, called inside the candidate's: gathered by hand
         if sharded:
@@ -201,7 +203,8 @@ class SavedCompareModule(KLModule):
         """The candidate's fields, the comparison's statistics and which reference they were measured against."""
         assert self.saved is not None
         manifest = self.saved.manifest
-        source = {"store": self.store_dir, "model": manifest.get("model"), "dtype": manifest.get("dtype")}
+        source = {k: manifest.get(k) for k in ("model", "dtype", "quant")}
+        source = {"store": self.store_dir, **source}
         return {**super().result_fields(), "reference_store": source}
 
     def _check(self, nll_base: Tensor, nll_saved: Tensor) -> None:

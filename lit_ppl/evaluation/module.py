@@ -13,8 +13,8 @@ from torchmetrics import Metric
 from lit_ppl.config.schema import DistributedConfig
 from lit_ppl.data.batch_plan import ScorerProbe
 from lit_ppl.errors import LitPplError
+from lit_ppl.evaluation.outputs import TokenOutputs, check_per_document
 from lit_ppl.evaluation.pages import ReportSample
-from lit_ppl.evaluation.reference import TokenOutputs
 from lit_ppl.metrics.perplexity import NLLBreakdown, Perplexity
 from lit_ppl.model.checkpoint import key_problem
 from lit_ppl.model.scorer import TokenScorer, check_scorer
@@ -97,6 +97,7 @@ class PerplexityModule(L.LightningModule):
         self.result: dict[str, Any] = {}
         self.scorer_check: dict[str, float] = {}  # the self-check of the scoring path (lit_ppl.model.scorer)
         self.tokens_seen, self.steps = 0, 0  # host-side count for tokens/s: from shapes, no device sync
+        self.resumed = False  # progress restored: the per-token files already hold the rows of the steps done
 
     def configure_model(self) -> None:
         if self.scorer is not None:
@@ -294,6 +295,12 @@ class PerplexityModule(L.LightningModule):
                 setattr(metrics[name], key, value.to(device=current.device, dtype=current.dtype))
         self.tokens_seen, self.steps = state["tokens_seen"], state["steps"]
         self._first_bad_step = torch.tensor(state["first_bad_step"], device=self.device)
+        self.resumed = True
+
+    def on_validation_epoch_start(self) -> None:
+        # After the resume callback's: whether progress was restored decides fresh files or the old ones.
+        if self.outputs is not None:
+            self.outputs.start(self.resumed, self.global_rank == 0, self.trainer.strategy.broadcast)
 
     def on_validation_epoch_end(self) -> None:
         seconds = time.perf_counter() - self._t0
@@ -339,9 +346,16 @@ class PerplexityModule(L.LightningModule):
                 "count": parts["pos_count"].tolist(),
             }
             self.per_document = (parts["doc_tokens"], parts["doc_nll_sum"])
+            check_per_document(*self.per_document, self.result["nll_sum"], self.trainer.datamodule)
         if self.sample_metric is not None:
             values = self.sample_metric.compute()  # synced on every rank; the text is rank 0's to write
             self.report_text = self.report_sample.finish(values) if self.global_rank == 0 else None
-        if self.outputs is not None and self.global_rank == 0:
-            self.output_files = self.outputs.finish({"ppl": self.result["ppl"], "model": self.spec.path})
+        if self.outputs is not None:
+            problem, files = None, {}
+            if self.global_rank == 0:
+                problem, files = self.outputs.finish(self.result["nll_sum"], {"ppl": self.result["ppl"]})
+            problem = self.trainer.strategy.broadcast(problem)  # every rank's verdict: rank 0 checked the files
+            if problem:
+                raise LitPplError(problem)
+            self.output_files = files
         self.log_dict({"ppl": stats["ppl"].float(), "nll_mean": stats["nll_mean"].float()}, sync_dist=False)
