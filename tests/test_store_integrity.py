@@ -64,33 +64,38 @@ def stores(docs_file, tmp_path_factory):
     return {"root": root, "base": base, "seq128": seq128, "s64": root / "s64", "s128": root / "s128"}
 
 
+def _unfinished(store: Path, to: Path) -> Path:
+    """A copy of ``store`` as it is while its run writes it."""
+    shutil.copytree(store, to)
+    manifest = json.loads((to / "manifest.json").read_text())
+    (to / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    return to
+
+
 def test_one_writer_per_store_and_one_run_per_store(stores, tmp_path):
     """Item 2 and 5: a second writer while one writes is refused (before, two runs mixed 9,856 rows of another
     model); a lock whose owner is gone is taken over; another model, seq_len or a complete store is never written."""
     base, s64 = stores["base"], stores["s64"]
+    lock = ".lit_ppl.store.lock"
+    busy, dead = _unfinished(s64, tmp_path / "busy"), _unfinished(s64, tmp_path / "dead")
     live = subprocess.Popen(["sleep", "60"])
     try:
-        busy = tmp_path / "busy"
-        busy.mkdir()
-        (busy / ".lit_ppl.store.lock").write_text(_token(live.pid))
+        (busy / lock).write_text(_token(live.pid))  # a store this host's live process is writing
+        before = _files(busy)
         with pytest.raises(LitPplError, match="is in use by another run"):
             evaluate_overrides([*base, f"save_reference={busy}"], tmp_path / "o1")
-        assert [p.name for p in busy.iterdir()] == [".lit_ppl.store.lock"], "the refused run wrote nothing"
+        assert _files(busy) == before, "the refused run changed nothing"
         # Another node's lock, touched recently, is live; one untouched for long (a node that died) is taken over.
-        (busy / ".lit_ppl.store.lock").write_text(_token(live.pid, "other-node"))
+        (busy / lock).write_text(_token(live.pid, "other-node"))
         with pytest.raises(LitPplError, match="in use by another run"):
             evaluate_overrides([*base, f"save_reference={busy}"], tmp_path / "o2")
-        os.utime(busy / ".lit_ppl.store.lock", (time.time() - 3600, time.time() - 3600))
+        os.utime(busy / lock, (time.time() - 3600, time.time() - 3600))
         evaluate_overrides([*base, f"save_reference={busy}"], tmp_path / "o3")
-        assert json.loads((busy / "manifest.json").read_text())["complete"]
-        assert not (busy / ".lit_ppl.store.lock").exists()
+        assert json.loads((busy / "manifest.json").read_text())["complete"] and not (busy / lock).exists()
     finally:
         live.kill()
         live.wait()
-    # A lock of this host's dead process is taken over.
-    dead = tmp_path / "dead"
-    dead.mkdir()
-    (dead / ".lit_ppl.store.lock").write_text(_token(live.pid))
+    (dead / lock).write_text(_token(live.pid))  # this host's process, gone: taken over
     evaluate_overrides([*base, f"save_reference={dead}"], tmp_path / "o4")
     assert json.loads((dead / "manifest.json").read_text())["complete"]
 
@@ -106,10 +111,7 @@ def test_one_writer_per_store_and_one_run_per_store(stores, tmp_path):
     with pytest.raises(LitPplError, match="already holds this model's complete reference"):
         evaluate_overrides([*base, f"save_reference={s64}"], tmp_path / "o7")
     # An unfinished store of seq_len 64 is not continued at seq_len 128 (before, two seq_lens at once mixed rows).
-    unfinished = tmp_path / "unfinished"
-    shutil.copytree(s64, unfinished)
-    manifest = json.loads((unfinished / "manifest.json").read_text())
-    (unfinished / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    unfinished = _unfinished(s64, tmp_path / "unfinished")
     with pytest.raises(LitPplError, match=r"unfinished reference of another run \(other windows"):
         evaluate_overrides([*stores["seq128"], f"save_reference={unfinished}"], tmp_path / "o8")
     assert _files(s64) == before
@@ -282,11 +284,7 @@ def test_a_full_or_read_only_disk_is_one_line(stores, tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     try:
         base = stores["base"]
-        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-            cfg = compose("validate", overrides=[*base, f"save_reference={ro}", f"output_dir={tmp_path / 'o'}"])
-        with pytest.raises(LitPplError, match=r"save_reference=.*ro' is not writable: Read-only file system"):
-            preflight(cfg)  # before any weight loads
-        (full / "filler").write_bytes(b"\0" * (48 << 10))  # room for the small files, not for per_token.npy
+        (full / "filler").write_bytes(b"\0" * (56 << 10))  # room for the small files, not for per_token.npy
         # Each in a child process: before, each died of SIGBUS.
         for where, name, args in (
             (small, "hidden.npy", [f"save_reference={small}"]),
@@ -294,6 +292,10 @@ def test_a_full_or_read_only_disk_is_one_line(stores, tmp_path):
         ):
             code, message = _in_child(_refusal, [*base, *args], full if where == full else tmp_path / "o")
             assert code == 0 and f"{where} has no room for {name}: it needs" in message, (code, message)
+        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+            cfg = compose("validate", overrides=[*base, f"save_reference={ro}", f"output_dir={tmp_path / 'o'}"])
+        with pytest.raises(LitPplError, match=r"save_reference=.*ro' is not writable: Read-only file system"):
+            preflight(cfg)  # before any weight loads
     finally:
         for path in (small, ro, full):
             subprocess.run(["umount", str(path)], capture_output=True)

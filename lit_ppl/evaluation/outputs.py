@@ -104,6 +104,8 @@ class TokenOutputs:
                 problem = self._prepare(resumed)
             except LitPplError as err:
                 problem = str(err)
+            except OSError as err:  # a full or read-only disk under the small files
+                problem = f"cannot write {err.filename}: {err.strerror or err}"
         problem = broadcast(problem)
         if problem:
             raise LitPplError(problem)
