@@ -11,24 +11,9 @@ import numpy as np
 import pytest
 from conftest import STORIES, require_shared, run_entry
 from helpers import zoo
-from helpers.runs import evaluate_overrides, torchrun_sweep
+from helpers.runs import evaluate_overrides, stories_overrides, torchrun_sweep
 
 from lit_ppl.errors import LitPplError
-
-
-def _base(docs: Path, cache: Path, *extra: str) -> list[str]:
-    return [
-        "model=hf",
-        f"model.path={STORIES}",
-        "data=text",
-        f"data.path={docs}",
-        f"data.cache_dir={cache}",
-        "eval.seq_len=64",
-        "batch_size=3",
-        "report.plots=false",
-        "trainer.accelerator=cpu",
-        *extra,
-    ]
 
 
 def _numbers(c: dict, prefix: str = "") -> dict[str, float]:
@@ -60,7 +45,7 @@ def saved(docs_file, tmp_path_factory):
     """One reference saved in 32-true with per-token outputs, its live and its saved comparison of int8."""
     require_shared()
     root = tmp_path_factory.mktemp("saved")
-    base = _base(docs_file, root / "cache")
+    base = stories_overrides(docs_file, root / "cache")
     store = root / "store"
     ref = evaluate_overrides([*base, f"save_reference={store}", "report.per_token=true"], root / "ref")
     live = evaluate_overrides([*base, "quant=int8", "compare=unquantized", "report.per_token=true"], root / "live")
@@ -140,7 +125,8 @@ def test_64_bit_saved_reference_with_a_logit_transform(docs_file, tmp_path, fami
     require_shared()
     a = zoo.build(family, tmp_path / "a", STORIES, seed=0)
     b = zoo.build(family, tmp_path / "b", STORIES, seed=1)
-    base = [a for a in _base(docs_file, tmp_path / "cache", "precision=64-true") if not a.startswith("model.path")]
+    base = stories_overrides(docs_file, tmp_path / "cache", "precision=64-true")
+    base = [a for a in base if not a.startswith("model.path")]
     store = tmp_path / "store"
     evaluate_overrides([*base, f"model.path={a}", f"save_reference={store}"], tmp_path / "ref")
     assert json.loads((store / "manifest.json").read_text())["softcap" if family == "gemma2" else "scale"]

@@ -23,24 +23,9 @@ import pytest
 import torch
 from conftest import ROOT, STORIES, TINYSTORIES, WIKITEXT, require_shared
 from helpers.nodes import launch, wait
-from helpers.runs import evaluate_overrides
+from helpers.runs import evaluate_overrides, stories_overrides
 
 from lit_ppl.errors import LitPplError
-
-
-def _base(docs: Path, cache: Path, *extra: str) -> list[str]:
-    return [
-        "model=hf",
-        f"model.path={STORIES}",
-        "data=text",
-        f"data.path={docs}",
-        f"data.cache_dir={cache}",
-        "eval.seq_len=64",
-        "batch_size=3",
-        "report.plots=false",
-        "trainer.accelerator=cpu",
-        *extra,
-    ]
 
 
 def _files(store: Path) -> dict[str, bytes]:
@@ -57,7 +42,7 @@ def stores(docs_file, tmp_path_factory):
     token once), and a per-token run."""
     require_shared()
     root = tmp_path_factory.mktemp("stores")
-    base = _base(docs_file, root / "cache")
+    base = stories_overrides(docs_file, root / "cache")
     seq128 = [*(a for a in base if not a.startswith("eval.seq_len")), "eval.seq_len=128"]
     evaluate_overrides([*base, f"save_reference={root / 's64'}"], root / "out64")
     evaluate_overrides([*seq128, f"save_reference={root / 's128'}"], root / "out128")
