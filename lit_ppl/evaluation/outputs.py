@@ -13,7 +13,7 @@ the verdict is every rank's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +39,11 @@ def write_per_token_index(directory: Path, chunks: Iterable[tuple[slice, np.ndar
     return path
 
 
-def check_per_document(tokens: torch.Tensor, nll_sums: torch.Tensor, nll_sum: float, datamodule: Any) -> None:
-    """The per-document table must count every scored token of each document (from the windows alone) and add up to
-    ``nll_sum``: its sums are synced like the metric's, so a difference is a bug, said with its traceback."""
+def per_document(parts: dict[str, torch.Tensor], nll_sum: float, datamodule: Any) -> tuple[torch.Tensor, ...]:
+    """The per-document table's ``(tokens, nll sum)`` of the breakdown's ``parts``, checked: it must count every
+    scored token of each document (from the windows alone) and add up to ``nll_sum``. Its sums are synced like the
+    metric's, so a difference is a bug, said with its traceback."""
+    tokens, nll_sums = parts["doc_tokens"], parts["doc_nll_sum"]
     dm = datamodule
     if dm.windows.joined:  # llamacpp scores part of each chunk: count the rows
         docs = [
@@ -59,6 +61,7 @@ def check_per_document(tokens: torch.Tensor, nll_sums: torch.Tensor, nll_sum: fl
             f"{int(wrong[0]) if len(wrong) else None}) or sums to {total!r} against nll_sum {nll_sum!r}: a bug in "
             "lit-ppl"
         )
+    return tokens, nll_sums
 
 
 class TokenOutputs:
@@ -91,13 +94,12 @@ class TokenOutputs:
             self.reference = ReferenceWriter(self.reference_dir, store_keys(datamodule), first, writer, described)
             self.reference.check()
 
-    def open(self, scorer: TokenScorer, first: bool) -> None:
+    def start(self, scorer: TokenScorer, resumed: bool, first: bool, strategy: Any) -> None:
+        """Every rank before the first step, after any progress is restored: the saved reference's head gathered and
+        written, then the first process makes the files (fresh) or checks them (``resumed``), and every rank opens
+        them. A problem is every rank's one line."""
         if self.reference is not None:
-            self.reference.open(scorer, first)
-
-    def start(self, resumed: bool, first: bool, broadcast: Callable[[Any], Any]) -> None:
-        """Before the first step, after any progress is restored: the first process makes the files (fresh) or checks
-        them (``resumed``); then every rank opens them. A problem is every rank's one line."""
+            self.reference.open(scorer)
         problem = None
         if first:
             try:
@@ -106,7 +108,7 @@ class TokenOutputs:
                 problem = str(err)
             except OSError as err:  # a full or read-only disk under the small files
                 problem = f"cannot write {err.filename}: {err.strerror or err}"
-        problem = broadcast(problem)
+        problem = strategy.broadcast(problem)
         if problem:
             raise LitPplError(problem)
         for arrays in self._arrays():
@@ -150,9 +152,18 @@ class TokenOutputs:
         for arrays in self._arrays():
             arrays.flush()
 
-    def finish(self, nll_sum: float, facts: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-        """The first process, once every rank has flushed: every row checked, then the files marked complete.
-        Returns ``(problem or None, what results.json records)``."""
+    def finish(self, result: dict[str, Any], first: bool, strategy: Any) -> dict[str, Any]:
+        """Every rank at the end: its rows flushed; then the first process checks every row and marks the files
+        complete, and its verdict is every rank's (one line). Returns what results.json records (the first's)."""
+        self.flush()
+        strategy.barrier()  # every rank's rows are in the files
+        problem, files = self._finish(result["nll_sum"], {"ppl": result["ppl"]}) if first else (None, {})
+        problem = strategy.broadcast(problem)
+        if problem:
+            raise LitPplError(problem)
+        return files
+
+    def _finish(self, nll_sum: float, facts: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
         dm = self.datamodule
 
         def chunks() -> Any:  # read twice, not held: its arrays are 24 bytes per token

@@ -151,7 +151,8 @@ class ReferenceWriter:
         self.dir, self.keys, self.first_token = Path(directory), keys, first_token
         self.writer, self.described = writer, described
         self.arrays: TokenArrays | None = None
-        self.head: dict[str, Any] = {}
+        self.head: dict[str, Any] = {}  # what the manifest says of the head
+        self.saved_head: dict[str, Any] = {}  # head.pt's content
 
     @property
     def name(self) -> str:
@@ -185,19 +186,15 @@ class ReferenceWriter:
                 "or delete it to save it again"
             )
 
-    def open(self, scorer: TokenScorer, first: bool) -> None:
-        """Every rank once the model is built (the head's gathering is collective); the first process writes the
-        manifest (unfinished: the directory is lit-ppl's from here on) and the head."""
+    def open(self, scorer: TokenScorer) -> None:
+        """Every rank once the model is built: the head, gathered (collective: from every rank's shards)."""
         head = full_head(scorer)
         width, dtype = head["weight"].shape[1], head["weight"].dtype
         scale, cap = logit_transform(scorer.lm.config)
+        self.saved_head = {**head, "scale": scale, "softcap": cap}
         self.head = {"dtype": str(dtype).removeprefix("torch."), "hidden": width, "scale": scale, "softcap": cap}
         tokens, windows = int(self.first_token[-1]), len(self.first_token) - 1
         self.arrays = TokenArrays(self.dir, store_fields(tokens, windows, width, dtype))
-        if first:
-            write_json_atomic(self.dir / MANIFEST, {**self.manifest(), "complete": False})
-            with atomic_path(self.dir / HEAD) as tmp:
-                torch.save({**head, "scale": scale, "softcap": cap}, tmp)
 
     def manifest(self) -> dict[str, Any]:
         windows = len(self.first_token) - 1
@@ -211,8 +208,12 @@ class ReferenceWriter:
         }
 
     def prepare(self, resumed: bool) -> str | None:
-        """The first process, before any row is written: fresh files, or (resumed) what is wrong with the old ones."""
+        """The first process, before any row is written: the manifest (unfinished: the directory is lit-ppl's from
+        here on) and the head, then fresh files, or (resumed) what is wrong with the old ones."""
         assert self.arrays is not None, "open() first"
+        write_json_atomic(self.dir / MANIFEST, {**self.manifest(), "complete": False})
+        with atomic_path(self.dir / HEAD) as tmp:
+            torch.save(self.saved_head, tmp)
         if not resumed:
             self.arrays.create()
             return None
