@@ -171,7 +171,7 @@ class TokenOutputs:
 
         out: dict[str, Any] = {}
         if self.per_token is not None:
-            values = self.per_token.arrays[PER_TOKEN]
+            values = self.per_token.read(PER_TOKEN)
             unwritten = int(np.isnan(values).sum())
             total = float(values.sum())
             if unwritten:

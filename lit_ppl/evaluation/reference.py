@@ -231,7 +231,7 @@ class ReferenceWriter:
         """What the files lack (``None``: every row written, the targets the text's, the NLLs summing to ``nll_sum``);
         ``chunks``: ``(rows, targets)`` of the corpus (:func:`lit_ppl.evaluation.token_arrays.corpus_rows`)."""
         assert self.arrays is not None
-        files = self.arrays.arrays
+        files = {name: self.arrays.read(name) for name in (*ROWS[1:], DIGESTS)}  # nll, target: small
         if (self.dir / LOCK).exists() and not holds(self.dir / LOCK):
             return f"its lock {self.dir / LOCK} was taken over by another run while this one wrote"
         missing = np.flatnonzero((files[DIGESTS] == 0).any(axis=1))

@@ -55,6 +55,11 @@ class TokenArrays:
             name: shared_npy(self.path(name), shape, dtype, fill) for name, (shape, dtype, fill) in self.fields.items()
         }
 
+    def read(self, name: str) -> np.ndarray:
+        """The file as it is now, opened afresh: what every rank wrote, even on a filesystem whose clients cache
+        (NFS revalidates a file when it is opened), never this process's view of its own writes."""
+        return np.load(self.path(name), mmap_mode="r", allow_pickle=False)
+
     def write(self, index: torch.Tensor, **values: torch.Tensor) -> dict[str, np.ndarray]:
         """Write ``values`` at rows ``index``; returns each as the bytes written (numpy, the file's dtype)."""
         rows = index.cpu().numpy()
