@@ -176,7 +176,10 @@ def test_a_damaged_store_is_one_line_naming_the_file(stores, tmp_path, damage, n
         if damage.endswith("forged"):
             import hashlib
 
-            files = {**manifest["files"], "head.pt": hashlib.sha256((store / "head.pt").read_bytes()).hexdigest()}
+            files = {
+                **manifest.get("files", {}),
+                "head.pt": hashlib.sha256((store / "head.pt").read_bytes()).hexdigest(),
+            }
             (store / "manifest.json").write_text(json.dumps({**manifest, "files": files}))
     args = [*stores["base"], "compare=saved", f"compare.reference.store={store}"]
     with pytest.raises(LitPplError) as err:
