@@ -21,6 +21,7 @@ never a wrong number.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterable
@@ -77,17 +78,19 @@ def store_lock(directory: str | None, holder: bool) -> contextlib.AbstractContex
 
 
 def saving_run(
-    path: str, identity: dict[str, Any], precision: str, quant: dict[str, Any], stored: dict[str, Any] | None
+    path: str, identity: dict[str, Any], precision: str, quant: Any, stored: dict[str, Any] | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(writer keys, description)`` of the run saving a reference: what another writer must share (the weights'
-    identity, the precision, the quant node), and what the manifest, and every comparison against it, says the
-    reference is (its model and quantization: a reference saved under ``quant=int8`` is int8's)."""
+    identity, the precision, every quant setting but ``source``, which says how ranks get the weights, not which),
+    and what the manifest, and every comparison against it, says the reference is (its model and quantization: a
+    reference saved under ``quant=int8`` is int8's). ``quant``: the run's :class:`lit_ppl.config.quant.QuantConfig`."""
+    node = {k: v for k, v in dataclasses.asdict(quant).items() if k != "source"}
     described = None
-    if quant["name"] != "none":
-        described = {k: quant[k] for k in ("name", "method", "group_size", "head")}
+    if node["name"] != "none":
+        described = {k: node[k] for k in ("name", "method", "group_size", "head")}
     elif stored:
         described = {"name": stored["name"], "source": "checkpoint"}
-    writer = {"model": identity["digest"], "precision": precision, "quant": quant}
+    writer = {"model": identity["digest"], "precision": precision, "quant": node}
     return writer, {"model": path, "quant": described}
 
 
