@@ -96,17 +96,17 @@ class Plan:
         }
 
 
-def check_output_dir(path: str) -> Path:
+def check_output_dir(path: str, key: str = "output_dir") -> Path:
     """Fail before hours of evaluation, not after, if results cannot be written (or would land in a system
     directory)."""
-    check_output_location("output_dir", path)
+    check_output_location(key, path)
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
             pass
     except OSError as err:
-        raise LitPplError(f"output_dir={path!r} is not writable: {err.strerror or err}") from err
+        raise LitPplError(f"{key}={path!r} is not writable: {err.strerror or err}") from err
     return out
 
 
@@ -159,12 +159,15 @@ def check_outputs(typed: ValidateConfig) -> None:
         )
     if typed.save_reference:
         directory = Path(typed.save_reference).expanduser()
-        foreign = directory.is_dir() and any(directory.iterdir()) and not (directory / "manifest.json").exists()
-        if directory.is_file() or foreign:
+        # A run that died before its manifest was written leaves only lit-ppl's own hidden files (its lock).
+        mine = ("manifest.json", ".lit_ppl")
+        foreign = directory.is_dir() and any(not p.name.startswith(mine) for p in directory.iterdir())
+        if directory.is_file() or (foreign and not (directory / "manifest.json").exists()):
             raise LitPplError(
                 f"save_reference={typed.save_reference!r} is a file or a directory holding other files; give a new "
                 "or empty directory (or one a previous save_reference run wrote)"
             )
+        check_output_dir(str(directory), "save_reference")
 
 
 def resolve_layout(name: str, p: ParallelConfig, devices: int, num_nodes: int) -> parallel.Layout:

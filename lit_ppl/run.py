@@ -21,8 +21,9 @@ from lit_ppl.errors import EXIT_CONFIG, UserError, first_line
 from lit_ppl.evaluation.agreement import AgreementCheck
 from lit_ppl.evaluation.compare import CompareModule, SavedCompareModule
 from lit_ppl.evaluation.module import PerplexityModule
+from lit_ppl.evaluation.outputs import TokenOutputs
 from lit_ppl.evaluation.pages import ReportSample
-from lit_ppl.evaluation.reference import TokenOutputs
+from lit_ppl.evaluation.reference import saving_run, store_lock
 from lit_ppl.evaluation.resume import EXIT_PREEMPTED, Preempted, ResumeCallback
 from lit_ppl.evaluation.trainer import build_trainer
 from lit_ppl.parallel.ranks import peer_failure, rank
@@ -54,7 +55,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     set_verbose(cfg.get("verbose", False))
     plan = preflight(cfg)
     holder = first_process()
-    with run_lock(plan.output_dir, holder):  # two runs into one output_dir would race its files
+    # Two runs into one output_dir, or two into one saved reference, would race each other's files.
+    with run_lock(plan.output_dir, holder), store_lock(plan.cfg.save_reference, holder):
         if holder:
             write_hydra_files(plan.output_dir, cfg)
         return _evaluate(plan)
@@ -126,7 +128,9 @@ def build_module(plan: Plan, datamodule: PerplexityDataModule) -> PerplexityModu
     outputs = None
     if run.report.per_token or run.save_reference:
         save = Path(run.save_reference).expanduser() if run.save_reference else None
-        outputs = TokenOutputs(plan.output_dir if run.report.per_token else None, save)
+        identity = (plan.model_identity, run.precision, plan.quant, plan.model.stored_quantization()) if save else None
+        saving = saving_run(plan.model.path, *identity) if identity else None
+        outputs = TokenOutputs(plan.output_dir if run.report.per_token else None, save, saving)
     options = {
         "chunk_size": plan.chunk_size,
         "precision": plan.precision,

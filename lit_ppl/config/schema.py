@@ -186,7 +186,7 @@ class ReportConfig:
         default=True, metadata=meta("report.html: the numbers, charts and the text shaded token by token (offline)")
     )
     per_token: bool = field(
-        default=False, metadata=meta("also write per_token.npy (float32 NLL per token, corpus order) and its index")
+        default=False, metadata=meta("also write per_token.npy (float64 NLL per token, corpus order) and its index")
     )
 
 

@@ -1,8 +1,8 @@
 """Compare a candidate model with a reference token by token: llama.cpp's KL-divergence report, distributed.
 
-:class:`CompareModule` runs both models, each built by :class:`PerplexityModule`'s one pipeline
-(``compare.reference`` names the reference: :func:`reference_spec`); :class:`SavedCompareModule` reads a reference
-saved once (``compare=saved``, :mod:`lit_ppl.evaluation.reference`). Both feed the per-token values of
+:class:`CompareModule` runs both models, each placed by :func:`lit_ppl.model.placement.place` (``compare.reference``
+names the reference, checked by :func:`lit_ppl.preflight.resolve_reference`); :class:`SavedCompareModule` reads a
+reference saved once (``compare=saved``, :mod:`lit_ppl.evaluation.saved_reference`). Both feed the per-token values of
 :func:`lit_ppl.metrics.kl.token_stats` into :class:`lit_ppl.metrics.kl.KLDivergence`.
 """
 
@@ -17,7 +17,8 @@ from torch import Tensor
 
 from lit_ppl.errors import LitPplError
 from lit_ppl.evaluation.module import PerplexityModule
-from lit_ppl.evaluation.reference import SavedReference, StoredHead, store_keys, vocab_rows
+from lit_ppl.evaluation.reference import store_keys
+from lit_ppl.evaluation.saved_reference import SavedReference, StoredHead, vocab_rows
 from lit_ppl.metrics.kl import KLDivergence, token_stats
 from lit_ppl.model.placement import place, place_head
 from lit_ppl.model.scorer import CHECK_TOLERANCE, CHECK_TOLERANCE_16BIT, TokenScorer, check_scorer
@@ -148,7 +149,8 @@ class SavedCompareModule(KLModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if self.saved is None:
-            self.saved = SavedReference(self.store_dir, store_keys(self.trainer.datamodule))
+            dm = self.trainer.datamodule
+            self.saved = SavedReference(self.store_dir, store_keys(dm), dm.first_token)
 
     def configure_model(self) -> None:
         if self.stored_head is not None:
@@ -159,7 +161,7 @@ class SavedCompareModule(KLModule):
 
     def reference_stats(self, batch: dict[str, Any], hidden: Tensor, scorer: TokenScorer) -> dict[str, Tensor]:
         assert self.saved is not None and self.stored_head is not None
-        hidden_base, nll_saved = self.saved.read(batch["token_index"], batch["targets"], hidden.device)
+        hidden_base, nll_saved = self.saved.read(batch, hidden.device)
         head = self.stored_head
         sharded = hasattr(head, "unshard")  # its own FSDP root, called inside the candidate's: gathered by hand
         if sharded:
@@ -177,7 +179,8 @@ class SavedCompareModule(KLModule):
         """The candidate's fields, the comparison's statistics and which reference they were measured against."""
         assert self.saved is not None
         manifest = self.saved.manifest
-        source = {"store": self.store_dir, "model": manifest.get("model"), "dtype": manifest.get("dtype")}
+        source = {k: manifest.get(k) for k in ("model", "dtype", "quant")}
+        source = {"store": self.store_dir, **source}
         return {**super().result_fields(), "reference_store": source}
 
     def _check(self, nll_base: Tensor, nll_saved: Tensor) -> None:

@@ -11,8 +11,8 @@ from torchmetrics import Metric
 
 from lit_ppl.config.schema import DistributedConfig, ValidateConfig
 from lit_ppl.data.batch_plan import ScorerProbe
+from lit_ppl.evaluation.outputs import TokenOutputs, per_document
 from lit_ppl.evaluation.pages import ReportSample
-from lit_ppl.evaluation.reference import TokenOutputs
 from lit_ppl.metrics.perplexity import NLLBreakdown, Perplexity
 from lit_ppl.model.placement import Placement, place, weight_bytes
 from lit_ppl.model.scorer import TokenScorer, check_scorer
@@ -47,7 +47,7 @@ class PerplexityModule(L.LightningModule):
         deterministic: accumulate in exact fixed-point sums (:mod:`lit_ppl.metrics.exact`), the same at any world size.
         breakdown: also sum the NLL per document and per window position (:class:`NLLBreakdown`: ``per_document``
             and ``result["nll_by_position"]``); off, the step loop skips its scatter-adds.
-        outputs: per-token files (:mod:`lit_ppl.evaluation.reference`), or ``None``.
+        outputs: per-token files (:mod:`lit_ppl.evaluation.outputs`), or ``None``.
         report_sample: the tokens ``report.html`` shows (:mod:`lit_ppl.evaluation.pages`), or ``None``.
     """
 
@@ -155,8 +155,6 @@ class PerplexityModule(L.LightningModule):
             keep_freed_memory_in_heap()  # no page faults per step (benchmarks/README.md)
         self._control = control_group()
         self.scorer_check = check_scorer(self.scorer, self.device)
-        if self.outputs is not None:
-            self.outputs.open(self.scorer, self.global_rank == 0)
         self._first_bad_step = torch.tensor(-1, device=self.device)
         self._t0 = time.perf_counter()
 
@@ -213,11 +211,13 @@ class PerplexityModule(L.LightningModule):
         self.tokens_seen, self.steps = state["tokens_seen"], state["steps"]
         self._first_bad_step = torch.tensor(state["first_bad_step"], device=self.device)
 
+    def on_validation_epoch_start(self) -> None:  # after the resume callback's: steps restored, or none
+        if self.outputs is not None:
+            self.outputs.start(self.scorer, self.steps > 0, self.global_rank == 0, self.trainer.strategy)
+
     def on_validation_epoch_end(self) -> None:
         seconds = time.perf_counter() - self._t0
         t_sync = time.perf_counter()
-        if self.outputs is not None:
-            self.outputs.flush()  # before the sync: once rank 0 is past it, every rank's rows are in the files
         check_peers(self._control, self.timeout_s, "the final metric sync")
         stats = self.metric.compute()  # the one cross-rank synchronisation of the metric
         sync_s = time.perf_counter() - t_sync
@@ -255,10 +255,10 @@ class PerplexityModule(L.LightningModule):
                 "sum_sq": parts["pos_sum_sq"].tolist(),
                 "count": parts["pos_count"].tolist(),
             }
-            self.per_document = (parts["doc_tokens"], parts["doc_nll_sum"])
+            self.per_document = per_document(parts, self.result["nll_sum"], self.trainer.datamodule)  # checked
         if self.sample_metric is not None:
             values = self.sample_metric.compute()  # synced on every rank; the text is rank 0's to write
             self.report_text = self.report_sample.finish(values) if self.global_rank == 0 else None
-        if self.outputs is not None and self.global_rank == 0:
-            self.output_files = self.outputs.finish({"ppl": self.result["ppl"], "model": self.spec.path})
+        if self.outputs is not None:  # every rank's rows flushed, then checked by rank 0: one verdict for all
+            self.output_files = self.outputs.finish(self.result, self.global_rank == 0, self.trainer.strategy)
         self.log_dict({"ppl": stats["ppl"].float(), "nll_mean": stats["nll_mean"].float()}, sync_dist=False)

@@ -1,35 +1,46 @@
-"""Per-token outputs in corpus order, and the saved reference a comparison reads instead of a second model.
+"""The saved reference: what a later comparison reads instead of a second model (``save_reference=DIR``, then
+``compare=saved compare.reference.store=DIR``).
 
-Every scored token has one index in corpus order (:func:`lit_ppl.data.windows.token_offsets`), carried by each batch
-as ``token_index``; whichever rank scores a window writes its tokens' rows there in shared memory-mapped ``.npy``
-files (:func:`lit_ppl.runtime.files.shared_npy`), so the files do not depend on the world size or layout that wrote
-them, and a resumed run rewrites only what it scores again.
+DIR holds, for every scored token in corpus order (:mod:`lit_ppl.evaluation.token_arrays`), the final hidden state
+(the output head's input) in the run's compute dtype (``hidden.npy``), its NLL (``nll.npy``, float32) and target id
+(``target.npy``, int32): hidden × dtype + 8 bytes per token, exact, where llama.cpp's ``--kl-divergence-base`` keeps a
+uint16 log-probability of every vocabulary entry. Besides: the head once (``head.pt``: weight, bias, the logit
+transform); per window a 64-bit digest of its rows in each of the three files (``digest.npy``); and
+``manifest.json``: what a reader must match (text, tokenizer, windows), what the saving run was (its weights'
+identity, precision and quantization) and, once complete, the SHA-256 of ``head.pt`` and ``digest.npy``.
 
-* ``report.per_token=true``: ``per_token.npy`` (float32 NLL) and ``per_token_index.npy`` (document id, position).
-* ``save_reference=DIR``: the final hidden state of every scored token (the output head's input) in the run's compute
-  dtype, its NLL and target id, the head once (weight, bias and the logit transform), and ``manifest.json`` with what
-  a comparison must match (text, tokenizer, windows) — hidden × dtype + 8 bytes per token, exact, where llama.cpp's
-  ``--kl-divergence-base`` keeps a uint16 log-probability of every vocabulary entry.
+A store is one run's: one writer at a time (a lock like the run's, :mod:`lit_ppl.runtime.lock`); a store of another
+model, text, window plan, precision or quantization is refused, and so is a complete one (never overwritten). It is
+marked complete only once every row is checked written: every window's digests present, the targets equal to the
+token stream's, the NLLs summing to the run's ``nll_sum``. A reader (:mod:`lit_ppl.evaluation.saved_reference`)
+checks the manifest, each file's shape and dtype and the two digested files when it opens the store, and each
+window's rows against their digests as it reads them (so no file is read twice): damage is one line naming the file,
+never a wrong number.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from lit_ppl.data.windows import Windows, scored_positions
 from lit_ppl.errors import LitPplError
-from lit_ppl.model.scorer import TokenScorer, logit_transform, transform
+from lit_ppl.evaluation.token_arrays import TokenArrays, row_digest, window_spans
+from lit_ppl.model.scorer import TokenScorer, logit_transform
 from lit_ppl.parallel.tensor_parallel import gather_vocab
-from lit_ppl.runtime.files import shared_npy, write_json_atomic
+from lit_ppl.runtime.files import atomic_path, write_json_atomic
+from lit_ppl.runtime.lock import directory_lock, holds
 
-FORMAT = 1
-MANIFEST, HEAD = "manifest.json", "head.pt"
+FORMAT = 2
+MANIFEST, HEAD, DIGESTS, LOCK = "manifest.json", "head.pt", "digest", ".lit_ppl.store.lock"
+ROWS = ("hidden", "nll", "target")  # the per-token files, in digest.npy's column order
 # numpy has no bfloat16: its bits are stored as uint16 and viewed back.
 STORED = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16, torch.bfloat16: np.uint16}
 DTYPE_NAMES = {str(t).removeprefix("torch."): t for t in STORED}
@@ -41,41 +52,67 @@ MATCH = {
     "tokens": "another number of scored tokens",
     "vocab": "another vocabulary size",
 }
+# What a run writing into a store must share with the run that began it.
+WRITER = {
+    "model": "another model (other weight files)",
+    "precision": "another precision",
+    "quant": "another quantization",
+}
 
 
-class TokenArrays:
-    """Named per-token ``.npy`` arrays of ``tokens`` rows in ``directory``, written at corpus-order indices."""
-
-    def __init__(self, directory: Path, tokens: int, fields: dict[str, tuple[tuple[int, ...], Any]]) -> None:
-        self.arrays = {
-            name: shared_npy(directory / f"{name}.npy", (tokens, *shape), dtype)
-            for name, (shape, dtype) in fields.items()
-        }
-
-    def write(self, index: torch.Tensor, **values: torch.Tensor) -> None:
-        rows = index.cpu().numpy()
-        for name, value in values.items():
-            array = self.arrays[name]
-            host = value.detach().cpu()
-            if host.dtype == torch.bfloat16:
-                host = host.view(torch.int16)  # the same bits, in a dtype numpy has
-            array[rows] = host.numpy().view(array.dtype).reshape(len(rows), *array.shape[1:])
-
-    def flush(self) -> None:
-        """Push the written rows to the file (each progress save: a preempted run's rows survive the node)."""
-        for array in self.arrays.values():
-            array.flush()
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
+def store_fields(tokens: int, windows: int, width: int, dtype: torch.dtype) -> dict[str, tuple]:
+    """The store's arrays: ``name: (shape, numpy dtype, what a fresh file holds)``."""
+    return {
+        "hidden": ((tokens, width), STORED[dtype], None),
+        "nll": ((tokens,), np.float32, np.nan),
+        "target": ((tokens,), np.int32, -1),
+        DIGESTS: ((windows, len(ROWS)), np.uint64, None),
+    }
 
 
-def write_per_token_index(directory: Path, windows: Windows, doc_lengths: np.ndarray) -> Path:
-    """``per_token_index.npy``: ``(tokens, 2)`` int64 document id and position of every row of ``per_token.npy``."""
-    doc, position = scored_positions(windows, doc_lengths)
-    path = directory / "per_token_index.npy"
-    np.save(path, np.stack([doc, position], axis=1))
-    return path
+def store_lock(directory: str | None, holder: bool) -> contextlib.AbstractContextManager:
+    """``DIR/.lit_ppl.store.lock`` while a run saves a reference there (its first process holds it)."""
+    if not directory:
+        return contextlib.nullcontext()
+    return directory_lock(Path(directory).expanduser(), holder, LOCK, "save_reference")
+
+
+def saving_run(
+    path: str, identity: dict[str, Any], precision: str, quant: Any, stored: dict[str, Any] | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(writer keys, description)`` of the run saving a reference: what another writer must share (the weights'
+    identity, the precision, every quant setting but ``source``, which says how ranks get the weights, not which),
+    and what the manifest, and every comparison against it, says the reference is (its model and quantization: a
+    reference saved under ``quant=int8`` is int8's). ``quant``: the run's :class:`lit_ppl.config.quant.QuantConfig`."""
+    node = {k: v for k, v in dataclasses.asdict(quant).items() if k != "source"}
+    described = None
+    if node["name"] != "none":
+        described = {k: node[k] for k in ("name", "method", "group_size", "head")}
+    elif stored:
+        described = {"name": stored["name"], "source": "checkpoint"}
+    writer = {"model": identity["digest"], "precision": precision, "quant": node}
+    return writer, {"model": path, "quant": described}
+
+
+def read_manifest(directory: Path, key: str) -> dict[str, Any] | None:
+    """The store's manifest (``None``: there is none); one that is not a JSON object is one line."""
+    try:
+        text = (directory / MANIFEST).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        manifest = json.loads(text)
+    except ValueError as err:
+        manifest = f"is not JSON ({err})"
+    if not isinstance(manifest, dict):
+        problem = manifest if isinstance(manifest, str) else "is not a JSON object"
+        raise LitPplError(f"{key}={str(directory)!r}: its {MANIFEST} {problem}: the store is damaged; save it again")
+    return manifest
+
+
+def file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def full_head(scorer: TokenScorer) -> dict[str, torch.Tensor]:
@@ -97,120 +134,137 @@ def full_head(scorer: TokenScorer) -> dict[str, torch.Tensor]:
 
 
 class ReferenceWriter:
-    """``save_reference=DIR``: the store a later ``compare=saved`` reads. ``keys``: what the reader must match."""
+    """``save_reference=DIR``: the store a later ``compare=saved`` reads.
 
-    def __init__(self, directory: Path, tokens: int, keys: dict[str, Any]) -> None:
-        self.dir, self.tokens, self.keys = Path(directory), tokens, keys
+    Args:
+        directory: the store.
+        keys: what a reader must match (:func:`store_keys`).
+        first_token: each window's first row (and the total): where its rows go.
+        writer: what the saving run is, and ``described``: what the manifest says of it (:func:`saving_run`).
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        keys: dict[str, Any],
+        first_token: np.ndarray,
+        writer: dict[str, Any],
+        described: dict[str, Any],
+    ) -> None:
+        self.dir, self.keys, self.first_token = Path(directory), keys, first_token
+        self.writer, self.described = writer, described
         self.arrays: TokenArrays | None = None
-        self.head: dict[str, Any] = {}
+        self.head: dict[str, Any] = {}  # what the manifest says of the head
+        self.saved_head: dict[str, Any] = {}  # head.pt's content
 
-    def open(self, scorer: TokenScorer, write_head: bool) -> None:
-        """Called on every rank once the model is built (the head's gathering is collective)."""
-        head = full_head(scorer)
-        width, dtype = head["weight"].shape[1], head["weight"].dtype
-        manifest = self.dir / MANIFEST
-        if manifest.exists():
-            old = json.loads(manifest.read_text())
-            if {k: old.get(k) for k in self.keys} != self.keys:
-                raise LitPplError(
-                    f"save_reference={str(self.dir)!r} holds a reference of another run; use another directory "
-                    "or delete it"
-                )
-        scale, cap = logit_transform(scorer.lm.config)
-        self.head = {"dtype": str(dtype).removeprefix("torch."), "hidden": width, "scale": scale, "softcap": cap}
-        self.arrays = TokenArrays(
-            self.dir,
-            self.tokens,
-            {"hidden": ((width,), STORED[dtype]), "nll": ((), np.float32), "target": ((), np.int32)},
-        )
-        if write_head:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            torch.save({**head, "scale": scale, "softcap": cap}, self.dir / HEAD)
-            write_json_atomic(manifest, {**self.manifest(), "complete": False})
+    @property
+    def name(self) -> str:
+        return f"save_reference={str(self.dir)!r}"
 
-    def manifest(self) -> dict[str, Any]:
-        return {"format": FORMAT, **self.keys, **self.head}
-
-    def write(self, index: torch.Tensor, hidden: torch.Tensor, nll: torch.Tensor, targets: torch.Tensor) -> None:
-        assert self.arrays is not None, "open() first"
-        self.arrays.write(index, hidden=hidden, nll=nll.float(), target=targets.int())
-
-    def finish(self, facts: dict[str, Any]) -> dict[str, Any]:
-        """Rank 0, after every rank has flushed: the manifest marked complete; returns what results.json records."""
-        assert self.arrays is not None
-        head_bytes = (self.dir / HEAD).stat().st_size
-        done = {**self.manifest(), **facts, "complete": True}
-        write_json_atomic(self.dir / MANIFEST, done)
-        return {"path": str(self.dir), "tokens": self.tokens, "bytes": self.arrays.nbytes() + head_bytes}
-
-
-class StoredHead(nn.Module):
-    """A saved output head: ``transform(hidden @ weight.T + bias)``, this rank's vocabulary slice under TP."""
-
-    def __init__(self, saved: dict[str, Any], rows: slice | None = None) -> None:
-        super().__init__()
-        weight, bias = saved["weight"], saved.get("bias")
-        if rows is not None:
-            weight, bias = weight[rows], None if bias is None else bias[rows]
-        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
-        self.scale, self.cap = saved.get("scale"), saved.get("softcap")
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return transform(nn.functional.linear(hidden, self.weight, self.bias), self.scale, self.cap)
-
-
-class SavedReference:
-    """A complete store opened for reading, checked against the run's ``keys`` (one line per difference)."""
-
-    def __init__(self, directory: str | Path, keys: dict[str, Any]) -> None:
-        self.dir = Path(directory)
-        path = self.dir / MANIFEST
-        if not path.is_file():
-            raise LitPplError(f"compare.reference.store={str(self.dir)!r} holds no {MANIFEST}: not a saved reference")
-        self.manifest = json.loads(path.read_text())
-        if not self.manifest.get("complete"):
+    def check(self) -> None:
+        """Before the model loads: a store of another run, or a complete one, is refused (never overwritten)."""
+        old = read_manifest(self.dir, "save_reference")
+        if old is None:
+            return
+        if old.get("format") != FORMAT:
             raise LitPplError(
-                f"compare.reference.store={str(self.dir)!r} is incomplete: the run saving it did not finish; rerun it "
-                "(it resumes)"
+                f"{self.name} holds a reference of format {old.get('format')!r} (this lit-ppl writes {FORMAT}); it is "
+                "not overwritten: give another directory, or delete it"
             )
-        differ = [MATCH.get(k, k) for k, v in keys.items() if self.manifest.get(k) != v]
+        was = old.get("writer") if isinstance(old.get("writer"), dict) else {}
+        differ = [MATCH[k] for k, v in self.keys.items() if old.get(k) != v]
+        differ += [WRITER[k] for k, v in self.writer.items() if was.get(k) != v]
+        state = "complete" if old.get("complete") else "unfinished"
         if differ:
             raise LitPplError(
-                f"compare.reference.store={str(self.dir)!r} was saved for {', '.join(differ)} than this run's; save "
-                "a reference with this run's data and eval settings"
+                f"{self.name} holds the {state} reference of another run ({', '.join(differ)}; saved from "
+                f"{old.get('model')!r}); it is not overwritten: give another directory, or delete it"
             )
-        self.dtype = DTYPE_NAMES[self.manifest["dtype"]]
-        self.hidden = np.load(self.dir / "hidden.npy", mmap_mode="r")
-        self.nll = np.load(self.dir / "nll.npy", mmap_mode="r")
-        self.target = np.load(self.dir / "target.npy", mmap_mode="r")
-
-    def head(self, rows: slice | None = None) -> StoredHead:
-        return StoredHead(torch.load(self.dir / HEAD, map_location="cpu", weights_only=True), rows)
-
-    def read(self, index: torch.Tensor, targets: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """``(hidden (n, d), nll (n,))`` of the corpus tokens ``index``; refuses rows whose target differs."""
-        rows = index.cpu().numpy()
-        stored, given = torch.from_numpy(self.target[rows].astype(np.int64)), targets.cpu()
-        if not torch.equal(stored, given):
-            bad = int(rows[(stored != given).nonzero()[0, 0]])
+        if old.get("complete"):
+            # Rewriting would only put a usable store at risk (a rewrite cut short leaves it unfinished) for the same
+            # rows: the same weights, text, windows, precision and quantization.
             raise LitPplError(
-                f"compare.reference.store={str(self.dir)!r}: corpus token {bad} is another token in the store than "
-                "in this run's text"
+                f"{self.name} already holds this model's complete reference (the same weights, text, windows, "
+                f"precision and quantization): compare against it (compare=saved compare.reference.store={self.dir}), "
+                "or delete it to save it again"
             )
-        hidden = torch.from_numpy(np.ascontiguousarray(self.hidden[rows]))
-        if self.dtype == torch.bfloat16:
-            hidden = hidden.view(torch.bfloat16)
-        nll = torch.from_numpy(self.nll[rows].astype(np.float64))
-        return hidden.to(device), nll.to(device)
 
+    def open(self, scorer: TokenScorer) -> None:
+        """Every rank once the model is built: the head, gathered (collective: from every rank's shards)."""
+        head = full_head(scorer)
+        width, dtype = head["weight"].shape[1], head["weight"].dtype
+        scale, cap = logit_transform(scorer.lm.config)
+        self.saved_head = {**head, "scale": scale, "softcap": cap}
+        self.head = {"dtype": str(dtype).removeprefix("torch."), "hidden": width, "scale": scale, "softcap": cap}
+        tokens, windows = int(self.first_token[-1]), len(self.first_token) - 1
+        self.arrays = TokenArrays(self.dir, store_fields(tokens, windows, width, dtype))
 
-def vocab_rows(scorer: TokenScorer) -> slice | None:
-    """This rank's rows of a whole head under tensor parallelism (the candidate's own slice), else ``None``."""
-    if scorer.tp is None:
+    def manifest(self) -> dict[str, Any]:
+        windows = len(self.first_token) - 1
+        return {
+            "format": FORMAT,
+            **self.keys,
+            "writer": self.writer,
+            **self.described,
+            **self.head,
+            "window_count": windows,
+        }
+
+    def prepare(self, resumed: bool) -> str | None:
+        """The first process, before any row is written: the manifest (unfinished: the directory is lit-ppl's from
+        here on) and the head, then fresh files, or (resumed) what is wrong with the old ones."""
+        assert self.arrays is not None, "open() first"
+        write_json_atomic(self.dir / MANIFEST, {**self.manifest(), "complete": False})
+        with atomic_path(self.dir / HEAD) as tmp:
+            torch.save(self.saved_head, tmp)
+        if not resumed:
+            self.arrays.create()
+            return None
+        problems = self.arrays.problems()
+        return f"{self.name}: {', '.join(problems)}" if problems else None
+
+    def write(self, batch: dict[str, Any], hidden: torch.Tensor, nll: torch.Tensor) -> None:
+        assert self.arrays is not None, "open() first"
+        written = self.arrays.write(batch["token_index"], hidden=hidden, nll=nll.float(), target=batch["targets"].int())
+        digests = self.arrays.arrays[DIGESTS]
+        for window, span in window_spans(batch["window_ids"], self.first_token):
+            digests[window] = [row_digest(written[name][span]) for name in ROWS]
+
+    def unwritten(self, chunks: Iterable[tuple[slice, np.ndarray]], nll_sum: float) -> str | None:
+        """What the files lack (``None``: every row written, the targets the text's, the NLLs summing to ``nll_sum``);
+        ``chunks``: ``(rows, targets)`` of the corpus (:func:`lit_ppl.evaluation.token_arrays.corpus_rows`)."""
+        assert self.arrays is not None
+        files = {name: self.arrays.read(name) for name in (*ROWS[1:], DIGESTS)}  # nll, target: small
+        if (self.dir / LOCK).exists() and not holds(self.dir / LOCK):
+            return f"its lock {self.dir / LOCK} was taken over by another run while this one wrote"
+        missing = np.flatnonzero((files[DIGESTS] == 0).any(axis=1))
+        if len(missing):
+            first = int(self.first_token[missing[0]])
+            return (
+                f"{len(missing):,} of {len(files[DIGESTS]):,} windows were never written (first: rows from {first:,})"
+            )
+        for rows, targets in chunks:
+            bad = np.flatnonzero(files["target"][rows] != targets)
+            if len(bad):
+                at = rows.start + int(bad[0])
+                return (
+                    f"target.npy holds {len(bad):,} targets that are not the text's (first: row {at:,}, token "
+                    f"{int(files['target'][at])} where the text has {int(targets[bad[0]])})"
+                )
+        total = float(np.sum(files["nll"], dtype=np.float64))
+        if not abs(total - nll_sum) <= nll_sum * 2.0**-24 + 1e-9:  # each float32 NLL within 2^-24 of the run's
+            return f"nll.npy sums to {total!r}, the run's nll_sum is {nll_sum!r}"
         return None
-    start = int(scorer.head_module.vocab_start)
-    return slice(start, start + scorer.head_module.weight.shape[0])  # an FSDP DTensor's shape is the whole slice
+
+    def finish(self, facts: dict[str, Any]) -> dict[str, Any]:
+        """The first process, every row checked: the manifest marked complete, with the digests of ``head.pt`` and
+        ``digest.npy``; returns what results.json records."""
+        assert self.arrays is not None
+        self.arrays.flush()
+        files = {name: file_digest(self.dir / name) for name in (HEAD, f"{DIGESTS}.npy")}
+        write_json_atomic(self.dir / MANIFEST, {**self.manifest(), **facts, "files": files, "complete": True})
+        size = self.arrays.nbytes() + (self.dir / HEAD).stat().st_size
+        return {"path": str(self.dir), "tokens": int(self.first_token[-1]), "bytes": size}
 
 
 def store_keys(datamodule: Any) -> dict[str, Any]:
@@ -222,53 +276,3 @@ def store_keys(datamodule: Any) -> dict[str, Any]:
         "tokens": datamodule.scored_tokens,
         "vocab": datamodule.limits[0] if datamodule.limits else None,
     }
-
-
-class TokenOutputs:
-    """The per-token files of one run (``report.per_token``, ``save_reference``), driven by the module's hooks."""
-
-    def __init__(self, output_dir: Path | None, reference_dir: Path | None) -> None:
-        self.output_dir, self.reference_dir = output_dir, reference_dir
-        self.per_token: TokenArrays | None = None
-        self.reference: ReferenceWriter | None = None
-        self.datamodule: Any = None
-
-    @property
-    def wants_hidden(self) -> bool:
-        return self.reference_dir is not None
-
-    def setup(self, datamodule: Any) -> None:
-        self.datamodule = datamodule
-        tokens = datamodule.scored_tokens
-        if self.output_dir is not None:
-            self.per_token = TokenArrays(self.output_dir, tokens, {"per_token": ((), np.float32)})
-        if self.reference_dir is not None:
-            self.reference = ReferenceWriter(self.reference_dir, tokens, store_keys(datamodule))
-
-    def open(self, scorer: TokenScorer, rank0: bool) -> None:
-        if self.reference is not None:
-            self.reference.open(scorer, rank0)
-
-    def write(self, batch: dict[str, Any], nll: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        index = batch["token_index"]
-        if self.per_token is not None:
-            self.per_token.write(index, per_token=nll.float())
-        if self.reference is not None:
-            assert hidden is not None
-            self.reference.write(index, hidden, nll, batch["targets"])
-
-    def flush(self) -> None:
-        for arrays in (self.per_token, self.reference and self.reference.arrays):
-            if arrays is not None:
-                arrays.flush()
-
-    def finish(self, facts: dict[str, Any]) -> dict[str, Any]:
-        """Rank 0, once every rank has flushed: the index file and the manifest; what results.json records."""
-        out: dict[str, Any] = {}
-        dm = self.datamodule
-        if self.per_token is not None and self.output_dir is not None:
-            index = write_per_token_index(self.output_dir, dm.windows, dm.corpus.doc_lengths)
-            out["per_token"] = {"path": str(self.output_dir / "per_token.npy"), "index": str(index)}
-        if self.reference is not None:
-            out["saved_reference"] = self.reference.finish(facts)
-        return out

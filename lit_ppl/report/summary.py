@@ -72,7 +72,9 @@ def print_results_table(results: dict[str, Any]) -> None:
     if saved:
         rows.append(("saved reference", f"{saved['path']} · {saved['bytes'] / 2**20:,.1f} MiB"))
     if store:
-        rows.append(("reference", f"saved: {store['store']} ({store['model']}, {store['dtype']})"))
+        quant = store.get("quant")
+        weights = f"quant={quant['name']}" if quant else "unquantized"
+        rows.append(("reference", f"saved: {store['store']} ({store['model']}, {weights}, {store['dtype']} states)"))
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)

@@ -83,29 +83,104 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def shared_npy(path: str | Path, shape: tuple[int, ...], dtype: Any) -> Any:
-    """A writable memory map of the ``.npy`` file ``path`` of ``shape`` and ``dtype``, created if absent.
+def npy_header(shape: tuple[int, ...], dtype: Any) -> bytes:
+    """The ``.npy`` (version 1.0) header of a C-ordered array of ``shape`` and ``dtype``."""
+    import numpy as np
 
-    Every rank (on any node of a shared filesystem) may open it at once and write its own rows: each writes the same
-    header and sets the same length (``ftruncate`` to the current size keeps what others wrote), so no rank has to
-    wait for a creator, and a rerun after preemption keeps the rows written before. ``np.load`` reads the result.
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": tuple(shape)}
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, header)
+    return buffer.getvalue()
+
+
+def npy_size(shape: tuple[int, ...], dtype: Any) -> int:
+    import numpy as np
+
+    return len(npy_header(shape, dtype)) + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def npy_problem(path: Path, shape: tuple[int, ...], dtype: Any) -> str | None:
+    """What keeps ``path`` from being the ``.npy`` file :func:`create_npy` writes for ``shape`` and ``dtype``."""
+    head, size = npy_header(shape, dtype), npy_size(shape, dtype)
+    try:
+        with open(path, "rb") as f:
+            found, actual = f.read(len(head)), os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        return "is missing"
+    if actual != size or found != head:
+        return f"holds {actual:,} bytes, not the {size:,} of a {tuple(shape)} {dtype} array"
+    return None
+
+
+def reserve(fd: int, nbytes: int, path: Path) -> None:
+    """Allocate ``nbytes`` for the open file ``fd`` (to be ``path``) now, so that writing through a memory map later
+    never meets a full disk (a ``SIGBUS``, "Bus error", with no message). A filesystem that cannot allocate ahead
+    gets its free space checked instead: then a disk that fills up later can still end the run so."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+    stat = os.fstatvfs(fd)
+    free = stat.f_bavail * stat.f_frsize
+    if full or free < nbytes:
+        raise LitPplError(
+            f"{path.parent} has no room for {path.name}: it needs {nbytes:,} bytes ({nbytes / 2**20:,.1f} MiB) and "
+            f"{free:,} are free; free space there or give another directory"
+        )
+    os.ftruncate(fd, nbytes)
+
+
+def create_npy(path: Path, shape: tuple[int, ...], dtype: Any, fill: Any = None, replace: bool = True) -> bool:
+    """Write a ``.npy`` file of ``shape`` and ``dtype``, its space allocated (:func:`reserve`) and every element
+    ``fill`` (zero if ``None``), beside ``path``, then put it there: over any file (``replace``) or only where there is
+    none; ``False`` when another process put its own there first. A reader never sees a file half made."""
+    import numpy as np
+
+    head, size = npy_header(shape, dtype), npy_size(shape, dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())
+            reserve(fd, size, path)
+            os.pwrite(fd, head, 0)
+            if fill is not None and size > len(head):
+                rows = np.memmap(tmp, dtype=dtype, mode="r+", offset=len(head), shape=tuple(shape))
+                rows[...] = fill
+                rows.flush()
+                del rows
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if replace:
+            os.replace(tmp, path)
+            return True
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def shared_npy(path: str | Path, shape: tuple[int, ...], dtype: Any, fill: Any = None) -> Any:
+    """A writable memory map of the ``.npy`` file ``path`` of ``shape`` and ``dtype``, created if absent
+    (:func:`create_npy`, every element ``fill``).
+
+    Every rank (on any node of a shared filesystem) may open it at once and write its own rows; a file created by two
+    at once is one of theirs, whole, and a rerun after preemption keeps the rows written before. ``np.load`` reads
+    the result.
     """
     import numpy as np
 
-    dtype = np.dtype(dtype)
-    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
-    buffer = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buffer, header)
-    head = buffer.getvalue()
-    size = len(head) + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        if os.fstat(fd).st_size not in (0, size):
-            raise LitPplError(f"{path} holds {os.fstat(fd).st_size} bytes, not the {size} of a {shape} {dtype} array")
-        os.ftruncate(fd, size)
-        os.pwrite(fd, head, 0)
-    finally:
-        os.close(fd)
-    return np.memmap(path, dtype=dtype, mode="r+", offset=len(head), shape=tuple(shape))
+    if not path.exists():
+        create_npy(path, shape, dtype, fill, replace=False)
+    problem = npy_problem(path, shape, dtype)
+    if problem:
+        raise LitPplError(f"{path} {problem}: another run's file; give another directory, or delete it")
+    return np.memmap(path, dtype=dtype, mode="r+", offset=len(npy_header(shape, dtype)), shape=tuple(shape))

@@ -1,4 +1,5 @@
-"""The run lock: ``output_dir/.lit_ppl.lock`` while a run writes there, so that a second run is refused, not raced.
+"""The run lock: ``output_dir/.lit_ppl.lock`` while a run writes there, so that a second run is refused, not raced
+(and the same lock, ``.lit_ppl.store.lock``, on a reference being saved: :mod:`lit_ppl.evaluation.reference`).
 
 A lock names its holder: host, pid (with the process's start time and pid namespace, so a reused pid or another
 container's is not taken for it), Slurm job and restart count, and a random token. It is written whole to a temp
@@ -127,12 +128,12 @@ def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def _write_record(directory: Path, record: dict[str, Any]) -> Path:
+def _write_record(directory: Path, record: dict[str, Any], name: str = RUN_LOCK, key: str = "output_dir") -> Path:
     """``record`` in a new temp file of ``directory``, written whole (one line naming the directory if it cannot)."""
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f"{RUN_LOCK}.", suffix=".tmp", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=f"{name}.", suffix=".tmp", dir=directory)
     except OSError as err:
-        raise _unwritable(directory, err) from err
+        raise _unwritable(directory, err, name, key) from err
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(record, f)
@@ -141,14 +142,14 @@ def _write_record(directory: Path, record: dict[str, Any]) -> Path:
         os.chmod(tmp, 0o644)
     except OSError as err:
         Path(tmp).unlink(missing_ok=True)
-        raise _unwritable(directory, err) from err
+        raise _unwritable(directory, err, name, key) from err
     return Path(tmp)
 
 
-def _unwritable(directory: Path, err: OSError) -> Exception:
-    if (space := no_space(err, directory / RUN_LOCK)) is not None:
+def _unwritable(directory: Path, err: OSError, name: str = RUN_LOCK, key: str = "output_dir") -> Exception:
+    if (space := no_space(err, directory / name)) is not None:
         return space
-    return LitPplError(f"output_dir={str(directory)!r}: cannot write its lock {RUN_LOCK} ({err.strerror or err})")
+    return LitPplError(f"{key}={str(directory)!r}: cannot write its lock {name} ({err.strerror or err})")
 
 
 def _create(source: Path, dest: Path) -> bool:
@@ -207,11 +208,12 @@ def _take_over(lock: Path, stale: str, tmp: Path, mine: dict[str, Any]) -> bool:
                 old.unlink()
 
 
-def acquire(directory: Path) -> tuple[Path, dict[str, Any]]:
-    """Take ``directory``'s run lock, or raise a one-line error naming the run that holds it."""
-    lock = directory / RUN_LOCK
+def acquire(directory: Path, name: str = RUN_LOCK, key: str = "output_dir") -> tuple[Path, dict[str, Any]]:
+    """Take ``directory``'s lock ``name`` (the run lock; ``key`` names the setting that gave ``directory``), or raise
+    a one-line error naming the run that holds it."""
+    lock = directory / name
     mine = holder_record()
-    tmp = _write_record(directory, mine)
+    tmp = _write_record(directory, mine, name, key)
     try:
         for _ in range(TRIES):
             if _create(tmp, lock):
@@ -222,29 +224,29 @@ def acquire(directory: Path) -> tuple[Path, dict[str, Any]]:
             owner, st = found
             why = gone(owner, st, mine)
             if why is None:
-                raise LitPplError(_in_use(directory, lock, owner, st))
+                raise LitPplError(_in_use(directory, lock, owner, st, key))
             if _take_over(lock, _identity(owner, st), tmp, mine):
                 print(f"lit-ppl: took over {lock}: {why}", file=sys.stderr)
                 return lock, mine
             time.sleep(0.05)
     except OSError as err:
-        raise _unwritable(directory, err) from err
+        raise _unwritable(directory, err, name, key) from err
     finally:
         tmp.unlink(missing_ok=True)
-    raise LitPplError(f"output_dir={str(directory)!r}: could not take {lock}; other runs keep taking it over")
+    raise LitPplError(f"{key}={str(directory)!r}: could not take {lock}; other runs keep taking it over")
 
 
-def _in_use(directory: Path, lock: Path, owner: dict[str, Any] | None, st: os.stat_result) -> str:
+def _in_use(directory: Path, lock: Path, owner: dict[str, Any] | None, st: os.stat_result, key: str) -> str:
     who = "an unreadable lock" if owner is None else f"{owner.get('host')} pid {owner.get('pid')}"
     job = f", Slurm job {owner['slurm_job']}" if owner and owner.get("slurm_job") else ""
     return (
-        f"output_dir={str(directory)!r} is in use by another run ({who}){job}, its lock touched "
-        f"{max(0.0, time.time() - st.st_mtime):.0f} s ago; give another output_dir, or delete {lock} if that run is "
+        f"{key}={str(directory)!r} is in use by another run ({who}){job}, its lock touched "
+        f"{max(0.0, time.time() - st.st_mtime):.0f} s ago; give another {key}, or delete {lock} if that run is "
         f"gone (a lock of another host is taken over once untouched for {STALE_S:.0f} s)"
     )
 
 
-def _heartbeat(lock: Path, token: str, stop: threading.Event) -> None:
+def _heartbeat(lock: Path, token: str, stop: threading.Event, key: str) -> None:
     while not stop.wait(HEARTBEAT_S):
         found = read_lock(lock)
         if found is None or (found[0] or {}).get("token") != token:
@@ -252,7 +254,7 @@ def _heartbeat(lock: Path, token: str, stop: threading.Event) -> None:
             what = f"taken over by {owner.get('host')} pid {owner.get('pid')}" if found else "deleted"
             print(
                 f"lit-ppl: warning: {lock} was {what} while this run held it: another run may now write to that "
-                "output_dir too",
+                f"{key} too",
                 file=sys.stderr,
             )
             return
@@ -260,17 +262,24 @@ def _heartbeat(lock: Path, token: str, stop: threading.Event) -> None:
             os.utime(lock)
 
 
+def holds(lock: Path) -> bool:
+    """Whether this process holds ``lock`` now (not taken over, not deleted)."""
+    found = read_lock(lock)
+    return found is not None and (found[0] or {}).get("token") in _held
+
+
 @contextlib.contextmanager
-def run_lock(directory: Path, holder: bool) -> Iterator[None]:
-    """``directory/.lit_ppl.lock`` while a run writes there (only ``holder``, the run's first process, takes it):
-    a second run into the same ``output_dir`` is refused in one line instead of racing the first's files."""
+def directory_lock(directory: Path, holder: bool, name: str = RUN_LOCK, key: str = "output_dir") -> Iterator[None]:
+    """``directory/name`` while a run writes there (only ``holder``, the run's first process, takes it): a second
+    run into the same directory (``key`` names its setting) is refused in one line instead of racing the first's
+    files."""
     if not holder:
         yield
         return
-    lock, mine = acquire(Path(directory))
+    lock, mine = acquire(Path(directory), name, key)
     _held.add(mine["token"])
     stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(lock, mine["token"], stop), daemon=True)
+    beat = threading.Thread(target=_heartbeat, args=(lock, mine["token"], stop, key), daemon=True)
     beat.start()
     try:
         yield
@@ -281,3 +290,9 @@ def run_lock(directory: Path, holder: bool) -> Iterator[None]:
         found = read_lock(lock)
         if found is not None and (found[0] or {}).get("token") == mine["token"]:
             lock.unlink(missing_ok=True)
+
+
+def run_lock(directory: Path, holder: bool) -> contextlib.AbstractContextManager:
+    """``directory/.lit_ppl.lock`` while a run writes there: a second run into the same ``output_dir`` is refused in
+    one line instead of racing the first's files (:func:`directory_lock`)."""
+    return directory_lock(directory, holder)

@@ -10,6 +10,24 @@ from pathlib import Path
 from typing import Any
 
 
+def stories_overrides(docs: Path, cache: Path, *extra: str) -> list[str]:
+    """The real tiny model (stories260K) on the text file ``docs`` at seq_len 64, on the CPU, without plots."""
+    from conftest import STORIES
+
+    return [
+        "model=hf",
+        f"model.path={STORIES}",
+        "data=text",
+        f"data.path={docs}",
+        f"data.cache_dir={cache}",
+        "eval.seq_len=64",
+        "batch_size=3",
+        "report.plots=false",
+        "trainer.accelerator=cpu",
+        *extra,
+    ]
+
+
 def evaluate_overrides(overrides: list[str], output_dir: Path) -> dict[str, Any]:
     """``results.json``'s content of one run in this process (the single-process reference of a multi-rank test)."""
     from hydra import compose, initialize_config_dir
