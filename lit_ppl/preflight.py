@@ -28,8 +28,8 @@ from lit_ppl.data.sources import DataSpec
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.nll import auto_chunk
 from lit_ppl.model.spec import ModelSpec
-from lit_ppl.parallel import layout as parallel
 from lit_ppl.parallel import tensor_parallel
+from lit_ppl.parallel.layout import Layout, resolve
 from lit_ppl.quant.quantizer import check_layout
 from lit_ppl.runtime.precision import Precision, device_type
 
@@ -52,7 +52,7 @@ class Plan:
     config: dict[str, Any]  # the same, resolved to plain containers: results.json's "config"
     output_dir: Path
     devices: int  # trainer.devices as a number (processes on this node)
-    layout: parallel.Layout
+    layout: Layout
     model: ModelSpec
     data: DataSpec
     limits: tuple[int, int | None]  # the model's (vocabulary, positions)
@@ -170,11 +170,11 @@ def check_outputs(typed: ValidateConfig) -> None:
         check_output_dir(str(directory), "save_reference")
 
 
-def resolve_layout(name: str, p: ParallelConfig, devices: int, num_nodes: int) -> parallel.Layout:
+def resolve_layout(name: str, p: ParallelConfig, devices: int, num_nodes: int) -> Layout:
     """The rank layout of ``parallel`` (its values set by the ``strategy`` preset), checked against the world."""
     if name == "hsdp" and num_nodes < 2:
         raise LitPplError("strategy=hsdp replicates across nodes: it needs trainer.num_nodes >= 2")
-    return parallel.resolve(p.dp_replicate, p.dp_shard, p.tp, devices * num_nodes, num_nodes, p.tp_across_nodes)
+    return resolve(p.dp_replicate, p.dp_shard, p.tp, devices * num_nodes, num_nodes, p.tp_across_nodes)
 
 
 def count_devices(accelerator: str, devices: Any) -> int:

@@ -31,12 +31,13 @@ from lit_ppl.parallel.strategies import join_launched_ranks
 from lit_ppl.preflight import Plan, preflight
 from lit_ppl.quant.quantizer import build as build_quantizer
 from lit_ppl.report import loggers
-from lit_ppl.report.progress import TokensPerSecondBar, set_verbose
+from lit_ppl.report.progress import TokensPerSecondBar
 from lit_ppl.report.results import build_results, write_hydra_files, write_per_document
 from lit_ppl.report.summary import print_compare_table, print_results_table
 from lit_ppl.runtime.files import write_json_atomic
 from lit_ppl.runtime.lock import first_process, run_lock
 from lit_ppl.runtime.threads import set_cpu_threads, use_deterministic_kernels
+from lit_ppl.runtime.verbosity import set_verbose
 
 # Errors that mean "the input was wrong" or "a peer failed": reported as one line, without a traceback. lit-ppl's
 # own all derive from UserError; a ValueError from elsewhere is a bug and keeps its traceback.

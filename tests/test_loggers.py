@@ -136,7 +136,7 @@ def test_quiet_console_hides_only_the_listed_lines(caplog):
     import logging
     import warnings
 
-    from lit_ppl.report.progress import set_verbose
+    from lit_ppl.runtime.verbosity import set_verbose
 
     banner = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     try:

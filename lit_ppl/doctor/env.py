@@ -8,8 +8,10 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from lit_ppl.errors import UserError
 
-class DistEnvError(ValueError):
+
+class DistEnvError(UserError, ValueError):
     """Raised when the launcher's environment variables are incomplete or contradictory."""
 
 
@@ -150,6 +152,50 @@ def slurm_master_port(environ: Mapping[str, str]) -> int:
             raise DistEnvError(f"Lightning's SLURMEnvironment rejects this launch: {err}") from err
 
 
+def _torchrun(environ: Mapping[str, str]) -> DistEnv:
+    """A torchrun-style launch: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and the rendezvous address."""
+    context = "torchrun-style"
+    rank = _require_int(environ, "RANK", context)
+    world_size = _require_int(environ, "WORLD_SIZE", context)
+    local_rank = _require_int(environ, "LOCAL_RANK", context)
+    if "MASTER_ADDR" not in environ:
+        raise DistEnvError(f"{context} launch detected but MASTER_ADDR is not set")
+    master_port = _require_int(environ, "MASTER_PORT", context)
+    # torchrun exports GROUP_RANK; other launchers use NODE_RANK or only LOCAL_WORLD_SIZE.
+    node_rank = _optional_int(environ, "GROUP_RANK")
+    if node_rank is None:
+        node_rank = _optional_int(environ, "NODE_RANK")
+    if node_rank is None:
+        local_world_size = _optional_int(environ, "LOCAL_WORLD_SIZE")
+        node_rank = rank // local_world_size if local_world_size else 0
+    return DistEnv(rank, world_size, local_rank, node_rank, environ["MASTER_ADDR"], master_port, "torchrun")
+
+
+def _slurm(environ: Mapping[str, str], hostnames: Callable[[str], list[str]]) -> DistEnv:
+    """A Slurm launch: ``SLURM_PROCID`` and its peers; the address from ``MASTER_ADDR`` or the node list."""
+    context = "Slurm"
+    rank = _require_int(environ, "SLURM_PROCID", context)
+    world_size = _require_int(environ, "SLURM_NTASKS", context)
+    local_rank = _require_int(environ, "SLURM_LOCALID", context)
+    node_rank = _require_int(environ, "SLURM_NODEID", context)
+    if "MASTER_ADDR" in environ:
+        master_addr = environ["MASTER_ADDR"]
+    else:
+        nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+        if not nodelist:
+            raise DistEnvError("Slurm launch without MASTER_ADDR needs SLURM_JOB_NODELIST, which is not set")
+        hosts = hostnames(nodelist)
+        if not hosts:
+            raise DistEnvError(f"SLURM_JOB_NODELIST={nodelist!r} expands to no hosts")
+        master_addr = hosts[0]
+    if "MASTER_PORT" in environ:
+        _require_int(environ, "MASTER_PORT", context)  # Lightning's own parse would not name the variable
+    elif "SLURM_JOB_ID" not in environ:
+        # Lightning would fall back to one fixed port, which every job sharing a node would then fight over.
+        raise DistEnvError("Slurm launch without MASTER_PORT needs SLURM_JOB_ID, which is not set")
+    return DistEnv(rank, world_size, local_rank, node_rank, master_addr, slurm_master_port(environ), "slurm")
+
+
 def resolve_dist_env(
     environ: Mapping[str, str],
     hostnames: Callable[[str], list[str]] = scontrol_hostnames,
@@ -171,70 +217,15 @@ def resolve_dist_env(
             offending variable.
     """
     if "RANK" in environ or "WORLD_SIZE" in environ:
-        context = "torchrun-style"
-        rank = _require_int(environ, "RANK", context)
-        world_size = _require_int(environ, "WORLD_SIZE", context)
-        local_rank = _require_int(environ, "LOCAL_RANK", context)
-        if "MASTER_ADDR" not in environ:
-            raise DistEnvError(f"{context} launch detected but MASTER_ADDR is not set")
-        master_addr = environ["MASTER_ADDR"]
-        master_port = _require_int(environ, "MASTER_PORT", context)
-        # torchrun exports GROUP_RANK; other launchers use NODE_RANK or only LOCAL_WORLD_SIZE.
-        node_rank = _optional_int(environ, "GROUP_RANK")
-        if node_rank is None:
-            node_rank = _optional_int(environ, "NODE_RANK")
-        if node_rank is None:
-            local_world_size = _optional_int(environ, "LOCAL_WORLD_SIZE")
-            node_rank = rank // local_world_size if local_world_size else 0
-        launcher = "torchrun"
-        rank_name, world_name = "RANK", "WORLD_SIZE"
+        env, rank_name, world_name = _torchrun(environ), "RANK", "WORLD_SIZE"
     elif "SLURM_PROCID" in environ:
-        context = "Slurm"
-        rank = _require_int(environ, "SLURM_PROCID", context)
-        world_size = _require_int(environ, "SLURM_NTASKS", context)
-        local_rank = _require_int(environ, "SLURM_LOCALID", context)
-        node_rank = _require_int(environ, "SLURM_NODEID", context)
-        if "MASTER_ADDR" in environ:
-            master_addr = environ["MASTER_ADDR"]
-        else:
-            nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
-            if not nodelist:
-                raise DistEnvError("Slurm launch without MASTER_ADDR needs SLURM_JOB_NODELIST, which is not set")
-            hosts = hostnames(nodelist)
-            if not hosts:
-                raise DistEnvError(f"SLURM_JOB_NODELIST={nodelist!r} expands to no hosts")
-            master_addr = hosts[0]
-        if "MASTER_PORT" in environ:
-            _require_int(environ, "MASTER_PORT", context)  # Lightning's own parse would not name the variable
-        elif "SLURM_JOB_ID" not in environ:
-            # Lightning would fall back to one fixed port, which every job sharing a node would then fight over.
-            raise DistEnvError("Slurm launch without MASTER_PORT needs SLURM_JOB_ID, which is not set")
-        master_port = slurm_master_port(environ)
-        launcher = "slurm"
-        rank_name, world_name = "SLURM_PROCID", "SLURM_NTASKS"
+        env, rank_name, world_name = _slurm(environ, hostnames), "SLURM_PROCID", "SLURM_NTASKS"
     else:
-        return DistEnv(
-            rank=0,
-            world_size=1,
-            local_rank=0,
-            node_rank=0,
-            master_addr=None,
-            master_port=None,
-            launcher="single",
-        )
-
-    if world_size < 1:
-        raise DistEnvError(f"{world_name}={world_size} must be at least 1")
-    if not 0 <= rank < world_size:
-        raise DistEnvError(f"{rank_name}={rank} is outside [0, {world_name}={world_size})")
-    if local_rank < 0 or node_rank < 0:
-        raise DistEnvError(f"local rank {local_rank} and node rank {node_rank} must be non-negative")
-    return DistEnv(
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        node_rank=node_rank,
-        master_addr=master_addr,
-        master_port=master_port,
-        launcher=launcher,
-    )
+        return DistEnv(0, 1, 0, 0, None, None, "single")
+    if env.world_size < 1:
+        raise DistEnvError(f"{world_name}={env.world_size} must be at least 1")
+    if not 0 <= env.rank < env.world_size:
+        raise DistEnvError(f"{rank_name}={env.rank} is outside [0, {world_name}={env.world_size})")
+    if env.local_rank < 0 or env.node_rank < 0:
+        raise DistEnvError(f"local rank {env.local_rank} and node rank {env.node_rank} must be non-negative")
+    return env

@@ -76,13 +76,11 @@ class PerplexityModule(L.LightningModule):
         self.precision = precision or Precision.of(ValidateConfig.precision)
         self.placement: Placement | None = None  # where the run's models go, decided once in configure_model
         self.accumulate = True  # False on tensor-parallel ranks other than the first: their NLLs are its copies
-        self.timeout_s, self.quant_report = timeout_s, None
-        self.scorer: TokenScorer | None = None
+        self.timeout_s, self.quant_report, self.scorer = timeout_s, None, None
         self.metric = Perplexity(exact=deterministic)
         self.breakdown: NLLBreakdown | None = None  # with breakdown=True: sized in setup(), once the corpus is known
         self.per_document: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, nll sum) per document
-        self.result: dict[str, Any] = {}
-        self.scorer_check: dict[str, float] = {}  # the self-check of the scoring path (lit_ppl.model.scorer)
+        self.result, self.scorer_check = {}, {}  # results.json's figures; the scoring path's self-check
         self.tokens_seen, self.steps = 0, 0  # host-side count for tokens/s: from shapes, no device sync
 
     def configure_model(self) -> None:
@@ -96,12 +94,9 @@ class PerplexityModule(L.LightningModule):
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
-        """All of them: Lightning's DDP would broadcast rank 0's weights at validation start.
-
-        Every rank read the same checkpoint (or drew the same seeded weights) and quantized ones are compared by hash
-        (:func:`lit_ppl.quant.consistency.check_ranks_agree`); the broadcast costs a copy of every weight on each rank
-        (benchmarks/README.md).
-        """
+        """All of them: Lightning's DDP would broadcast rank 0's weights at validation start, a copy of every weight
+        on each rank (benchmarks/README.md); every rank read the same checkpoint (or drew the same seeded weights),
+        and quantized ones are compared by hash (:func:`lit_ppl.quant.consistency.check_ranks_agree`)."""
         names = [n for n, _ in self.named_parameters(remove_duplicate=False)]
         return names + [n for n, _ in self.named_buffers(remove_duplicate=False)]
 

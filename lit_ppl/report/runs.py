@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lit_ppl.config.numbers import number_keys
+from lit_ppl.errors import UserError
 from lit_ppl.report.results import SCHEMA_VERSION, batch_size, quant_name
 from lit_ppl.report.tables import print_runs_table, runs_markdown, to_csv
 from lit_ppl.runtime.files import write_text_atomic
@@ -33,7 +34,7 @@ RESULTS = "results.json"
 REQUIRED = ("ppl", "ppl_ci95", "tokens", "world_size", "strategy", "precision", "config")
 
 
-class ReportError(Exception):
+class ReportError(UserError):
     """A run that cannot be reported on; the message is one line and names the file."""
 
 
