@@ -197,14 +197,19 @@ def _refusal(args: list[str], out: Path) -> str:
     return "no error"
 
 
-def _in_child(fn, *args) -> tuple[int, str]:
-    """``fn(*args)`` in a forked process: ``(its exit code, what it returned)`` (a signal's exit code is negative)."""
-    ctx = multiprocessing.get_context("fork")
-    out = ctx.Queue()
-    child = ctx.Process(target=lambda: out.put(fn(*args)))
+def _put_refusal(queue: multiprocessing.Queue, args: list[str], out: Path) -> None:
+    queue.put(_refusal(args, out))
+
+
+def _in_child(args: list[str], out: Path) -> tuple[int | None, str]:
+    """:func:`_refusal` in a fresh (spawned) process: ``(its exit code, what it returned)`` (a signal's exit code is
+    negative). Not forked: a fork of this process, whose OpenMP threads other tests started, can hang in torch."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_put_refusal, args=(queue, args, out))
     child.start()
-    child.join(120)
-    return child.exitcode, out.get(timeout=1) if child.exitcode == 0 else ""
+    child.join(300)
+    return child.exitcode, queue.get(timeout=1) if child.exitcode == 0 else ""
 
 
 def _mounted(path: Path, options: str) -> bool:
@@ -233,7 +238,7 @@ def test_a_full_or_read_only_disk_is_one_line(stores, tmp_path):
             (small, "hidden.npy", [f"save_reference={small}"]),
             (full, "per_token.npy", ["report.per_token=true"]),
         ):
-            code, message = _in_child(_refusal, [*base, *args], full if where == full else tmp_path / "o")
+            code, message = _in_child([*base, *args], full if where == full else tmp_path / "o")
             assert code == 0 and f"{where} has no room for {name}: it needs" in message, (code, message)
         with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
             cfg = compose("validate", overrides=[*base, f"save_reference={ro}", f"output_dir={tmp_path / 'o'}"])
