@@ -268,7 +268,7 @@ def test_a_refused_run_leaves_the_directory_as_it_was(tmp_path):
     """A second run into a busy output_dir once had Hydra rewrite the first run's .hydra/ files before lit-ppl's
     lock refused it; now Hydra's copies are written once the run holds the lock. hydra.job.chdir=true no longer
     nests the results of a relative output_dir."""
-    from lit_ppl.runtime.files import run_lock
+    from lit_ppl.runtime.lock import run_lock
 
     proc, _ = run_entry(["hydra.job.chdir=true", "output_dir=rel", "hydra.run.dir=rel"], tmp_path)
     assert proc.returncode == 0 and (tmp_path / "rel" / "results.json").is_file(), proc.stderr[-2000:]
