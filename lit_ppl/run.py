@@ -131,7 +131,8 @@ def build_module(plan: Plan, datamodule: PerplexityDataModule) -> PerplexityModu
         save = Path(run.save_reference).expanduser() if run.save_reference else None
         identity = (plan.model_identity, run.precision, plan.quant, plan.model.stored_quantization()) if save else None
         saving = saving_run(plan.model.path, *identity) if identity else None
-        outputs = TokenOutputs(plan.output_dir if run.report.per_token else None, save, saving)
+        per_token = plan.output_dir if run.report.per_token else None
+        outputs = TokenOutputs(per_token, save, saving, run.compare.noise_floor)
     options = {
         "chunk_size": plan.chunk_size,
         "precision": plan.precision,
@@ -144,14 +145,15 @@ def build_module(plan: Plan, datamodule: PerplexityDataModule) -> PerplexityModu
         "outputs": outputs,
         "report_sample": ReportSample() if run.report.html else None,
     }
+    compared = {**options, "noise_floor": run.compare.noise_floor}
     store = run.compare.reference.get("store") if isinstance(run.compare.reference, dict) else None
     if store:
-        return SavedCompareModule(plan.model, str(Path(store).expanduser()), **options)
+        return SavedCompareModule(plan.model, str(Path(store).expanduser()), **compared)
     ref = plan.reference
     if ref is None:
         return PerplexityModule(plan.model, **options)
     ref_quantizer = build_quantizer(ref.quant, model=ref.model, split=split)
-    return CompareModule(plan.model, ref.model, reference_quantize=ref_quantizer, reference_dtype=ref.dtype, **options)
+    return CompareModule(plan.model, ref.model, reference_quantize=ref_quantizer, reference_dtype=ref.dtype, **compared)
 
 
 def run_facts(plan: Plan, trainer: L.Trainer, datamodule: PerplexityDataModule) -> dict[str, Any]:

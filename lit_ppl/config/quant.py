@@ -27,6 +27,7 @@ from lit_ppl.config.values import (
     REFERENCE_DTYPES,
     ConfigError,
     check_calibration,
+    check_non_negative,
     check_paths,
     check_regex,
     check_step_count,
@@ -204,6 +205,14 @@ class CompareConfig:
             schema=ReferenceConfig,
             union=str | dict[str, Any] | None,
             shown="str | {path, dtype, quant} | null",
+        ),
+    )
+    noise_floor: int = field(
+        default=4,
+        metadata=meta(
+            "windows re-scored in float64 for the reference's noise floor (its own rounding's KLD); a save_reference "
+            "run stores it for compare=saved; 0: off",
+            check=check_non_negative,
         ),
     )
 

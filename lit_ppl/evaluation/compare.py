@@ -3,7 +3,9 @@
 :class:`CompareModule` runs both models, each placed by :func:`lit_ppl.model.placement.place` (``compare.reference``
 names the reference, checked by :func:`lit_ppl.preflight.resolve_reference`); :class:`SavedCompareModule` reads a
 reference saved once (``compare=saved``, :mod:`lit_ppl.evaluation.saved_reference`). Both feed the per-token values of
-:func:`lit_ppl.metrics.kl.token_stats` into :class:`lit_ppl.metrics.kl.KLDivergence`.
+:func:`lit_ppl.metrics.kl.token_stats` into :class:`lit_ppl.metrics.kl.KLDivergence`, and report the reference's
+noise floor (:mod:`lit_ppl.evaluation.noise_floor`): measured on the live reference, read from the store for a saved
+one.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lit_ppl.config.quant import CompareConfig
 from lit_ppl.errors import LitPplError
 from lit_ppl.evaluation.module import PerplexityModule
+from lit_ppl.evaluation.noise_floor import Reference, measure, not_measured, reference_context
 from lit_ppl.evaluation.reference import store_keys
 from lit_ppl.evaluation.saved_reference import SavedReference, StoredHead, vocab_rows
 from lit_ppl.metrics.kl import KLDivergence, token_stats
@@ -34,12 +38,16 @@ class KLModule(PerplexityModule):
     :class:`KLDivergence`'s statistics (``compare_result``) from inside the candidate's forward, with the candidate's
     hidden states and head. Under tensor parallelism both heads give the same vocabulary slice and the statistics are
     sums over the slices (:func:`lit_ppl.metrics.kl.token_stats`).
+
+    ``noise_floor``: windows re-scored in float64 for the reference's noise floor (0: off), reported as
+    ``results.json["compare"]["noise_floor"]`` (``None`` when off; its keys: :mod:`lit_ppl.evaluation.noise_floor`).
     """
 
-    def __init__(self, model: ModelSpec, **kwargs: Any) -> None:
+    def __init__(self, model: ModelSpec, noise_floor: int = CompareConfig.noise_floor, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         self.kl = KLDivergence(exact=self.deterministic)
         self.compare_result: dict[str, Any] = {}
+        self.noise_windows, self.noise_floor = noise_floor, None
 
     def stats(self, hidden: Tensor, targets: Tensor, scorer: TokenScorer, hidden_base: Tensor, head_base: Any) -> Any:
         """:func:`token_stats` of the candidate (``scorer``'s head) against a reference's hidden states and head."""
@@ -69,7 +77,7 @@ class KLModule(PerplexityModule):
         self.compare_result = self.kl.compute()
 
     def result_fields(self) -> dict[str, Any]:
-        return {**super().result_fields(), "compare": self.compare_result}
+        return {**super().result_fields(), "compare": {**self.compare_result, "noise_floor": self.noise_floor}}
 
 
 class CompareModule(KLModule):
@@ -128,6 +136,22 @@ class CompareModule(KLModule):
     def holds_quantized_weights(self) -> bool:
         return super().holds_quantized_weights() or self.ref_quantize is not None
 
+    def on_validation_epoch_end(self) -> None:
+        self.noise_floor = self.measure_noise_floor()  # collective, on every rank, before the metrics' sync
+        super().on_validation_epoch_end()
+
+    def measure_noise_floor(self) -> dict[str, Any] | None:
+        """The live reference's noise floor (:func:`lit_ppl.evaluation.noise_floor.measure`)."""
+        if self.noise_windows <= 0:
+            return None
+        if self.ref_quantize is not None or self.ref_spec.stored_quantization() is not None:
+            return not_measured("the reference is quantized: a float64 re-score would measure its quantization")
+        precision = self.precision.name
+        if self.ref_dtype is not None:
+            precision += f", reference {str(self.ref_dtype).removeprefix('torch.')}"
+        context = reference_context(self, self._base_context)
+        return measure(self, Reference(self.ref_spec, self.reference, context, precision), self.noise_windows)
+
     def result_fields(self) -> dict[str, Any]:
         """The candidate's fields, the reference's quantization and the comparison's statistics."""
         ref = self.reference_report
@@ -182,6 +206,20 @@ class SavedCompareModule(KLModule):
         source = {k: manifest.get(k) for k in ("model", "dtype", "quant")}
         source = {"store": self.store_dir, **source}
         return {**super().result_fields(), "reference_store": source}
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        self.noise_floor = self.stored_noise_floor()
+
+    def stored_noise_floor(self) -> dict[str, Any] | None:
+        """The noise floor the saving run measured on its live model, as its manifest holds it."""
+        assert self.saved is not None
+        if self.noise_windows <= 0:
+            return None
+        stored = self.saved.manifest.get("noise_floor")
+        if not isinstance(stored, dict):
+            return not_measured("the store holds none: saved with compare.noise_floor=0, or by an older lit-ppl")
+        return {**stored, "source": "saved"} if stored.get("kld_mean") is not None else stored
 
     def _check(self, nll_base: Tensor, nll_saved: Tensor) -> None:
         """The stored head on the stored hidden states must give the NLLs the saving run scored (first batch)."""

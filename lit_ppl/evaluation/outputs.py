@@ -8,11 +8,13 @@ complete). ``save_reference=DIR``: :mod:`lit_ppl.evaluation.reference`.
 The first process makes the files before any row is written: whole and fresh for a fresh run (replacing only files
 lit-ppl wrote), the same files for a resumed one (refused in one line if they are gone); every rank then opens
 them. At the end it checks every row written (:mod:`lit_ppl.evaluation.token_arrays`) before it marks them complete;
-the verdict is every rank's.
+the verdict is every rank's. A run saving a reference also measures its noise floor
+(:mod:`lit_ppl.evaluation.noise_floor`) and stores it in the manifest, for the comparisons that read the store.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit_ppl.config.quant import CompareConfig
 from lit_ppl.errors import LitPplError
+from lit_ppl.evaluation.noise_floor import Reference, measure, not_measured, reference_context
 from lit_ppl.evaluation.reference import ReferenceWriter, store_keys
 from lit_ppl.evaluation.token_arrays import TokenArrays, corpus_rows
 from lit_ppl.model.scorer import TokenScorer
@@ -66,15 +70,18 @@ def per_document(parts: dict[str, torch.Tensor], nll_sum: float, datamodule: Any
 
 class TokenOutputs:
     """``per_token.npy`` in ``output_dir`` (if given) and the saved reference in ``reference_dir`` (if given);
-    ``saving``: :func:`lit_ppl.evaluation.reference.saving_run`'s writer keys and description."""
+    ``saving``: :func:`lit_ppl.evaluation.reference.saving_run`'s writer keys and description; ``noise_floor``: the
+    windows of the saved reference's noise floor (``compare.noise_floor``; 0: none stored)."""
 
     def __init__(
         self,
         output_dir: Path | None,
         reference_dir: Path | None,
         saving: tuple[dict[str, Any], dict[str, Any]] | None = None,
+        noise_floor: int = CompareConfig.noise_floor,
     ) -> None:
         self.output_dir, self.reference_dir, self.saving = output_dir, reference_dir, saving
+        self.noise_windows = noise_floor
         self.per_token: TokenArrays | None = None
         self.reference: ReferenceWriter | None = None
         self.datamodule: Any = None
@@ -155,9 +162,11 @@ class TokenOutputs:
     def finish(self, result: dict[str, Any], first: bool, strategy: Any) -> dict[str, Any]:
         """Every rank at the end: its rows flushed; then the first process checks every row and marks the files
         complete, and its verdict is every rank's (one line). Returns what results.json records (the first's)."""
+        noise = self.noise_floor(strategy.lightning_module) if self.reference is not None else None  # collective
         self.flush()
         strategy.barrier()  # every rank's rows are in the files
-        problem, files = self._finish(result["nll_sum"], {"ppl": result["ppl"]}) if first else (None, {})
+        facts = {"ppl": result["ppl"], "noise_floor": noise}
+        problem, files = self._finish(result["nll_sum"], facts) if first else (None, {})
         problem = strategy.broadcast(problem)
         if problem:
             raise LitPplError(problem)
@@ -192,8 +201,19 @@ class TokenOutputs:
             )
             out["per_token"] = {"path": str(path), "index": str(index)}
         if self.reference is not None:
-            out["saved_reference"] = self.reference.finish({**facts, "nll_sum": nll_sum})
+            saved = self.reference.finish({**facts, "nll_sum": nll_sum})
+            out["saved_reference"] = {**saved, "noise_floor": facts["noise_floor"]}
         return None, out
+
+    def noise_floor(self, module: Any) -> dict[str, Any] | None:
+        """The saving run's model's noise floor (it is the reference the store keeps), every rank."""
+        if self.noise_windows <= 0:
+            return None
+        if module.quantize is not None or module.spec.stored_quantization() is not None:
+            return not_measured("the reference is quantized: a float64 re-score would measure its quantization")
+        context = reference_context(module, contextlib.nullcontext)
+        reference = Reference(module.spec, module.scorer, context, module.precision.name)
+        return measure(module, reference, self.noise_windows)
 
     def _unwritten(self, problem: str) -> str:
         return (

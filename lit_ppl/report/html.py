@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lit_ppl.report.results import quant_name
+from lit_ppl.report.summary import noise_floor_rows
 from lit_ppl.report.svg import bar_chart, line_chart, points_chart
 from lit_ppl.runtime.files import write_text_atomic
 
@@ -85,6 +86,7 @@ def headline(r: dict[str, Any]) -> str:
         rows += [
             ("PPL(Q) / PPL(reference)", f"{c['ppl']:.4f} / {c['ppl_base']:.4f} = {c['ppl_ratio']:.5f}"),
             ("mean KLD, KL(reference ‖ Q)", f"{c['kld_mean']:.6g} ± {c['kld_mean_unc']:.2g}"),
+            *noise_floor_rows(c.get("noise_floor")),
             ("mean reverse KLD, KL(Q ‖ reference)", f"{c['kld_rev_mean']:.6g} ± {c['kld_rev_mean_unc']:.2g}"),
             ("KLD 99% · max", f"{c['kld_p99']:.4g} · {c['kld_max']:.4g}"),
             ("same top-1", f"{100 * c['same_top']:.2f}%"),

@@ -94,6 +94,7 @@ def print_compare_table(compare: dict[str, Any]) -> None:
         ("Cor(ln PPL(Q), ln PPL(base))", f"{100 * c['ln_ppl_correlation']:.2f}%"),
         ("PPL(Q)/PPL(base)", f"{c['ppl_ratio']:.6f} ± {c['ppl_ratio_unc']:.6f}"),
         ("mean KLD", f"{c['kld_mean']:.6f} ± {c['kld_mean_unc']:.6f}"),
+        *noise_floor_rows(c.get("noise_floor")),
         ("mean reverse KLD, KL(Q‖base)", f"{c['kld_rev_mean']:.6f} ± {c['kld_rev_mean_unc']:.6f}"),
         (
             "KLD max · 99% · median · min",
@@ -115,3 +116,18 @@ def print_compare_table(compare: dict[str, Any]) -> None:
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)
+
+
+def noise_floor_rows(floor: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The reference's noise floor beside the mean KLD: what rounding alone gives (none when it is off)."""
+    if not floor:
+        return []
+    if floor.get("kld_mean") is None:
+        return [("  noise floor", f"not measured: {floor.get('note')}")]
+    return [
+        (
+            "  noise floor (float64 re-score)",
+            f"{floor['kld_mean']:.3g} ± {floor['kld_mean_unc']:.2g} · {floor['windows']} windows, "
+            f"{floor['tokens']:,} tokens · {floor['precision']}",
+        )
+    ]
