@@ -10,8 +10,9 @@ import pytest
 import torch
 from conftest import STORIES, TINYSTORIES, require_shared
 
-from lit_ppl.data.datamodule import PerplexityDataModule
+from lit_ppl.data.datamodule import PerplexityDataModule, WindowCollator
 from lit_ppl.data.sources import DataSpec
+from lit_ppl.evaluation import noise_floor
 from lit_ppl.evaluation.compare import CompareModule
 from lit_ppl.metrics import histogram
 from lit_ppl.metrics.kl import HISTOGRAMS, PERCENTILES, KLDivergence, token_stats
@@ -26,8 +27,9 @@ DATA = ["model=hf", f"model.path={STORIES}", "data=text", f"data.path={TINYSTORI
 
 def test_model_against_itself(compose):
     require_shared()
-    r = evaluate(compose(*DATA, "compare=unquantized"))
+    r = evaluate(compose(*DATA, "compare=unquantized", "compare.noise_floor=0"))
     c = r["compare"]
+    assert c["noise_floor"] is None  # 0 windows: not measured, no float64 copy built
     assert c["tokens"] == r["tokens"] == 1882
     assert c["kld_mean"] == 0.0 and c["kld_max"] == 0.0 and c["p_diff_rms"] == 0.0
     assert c["kld_rev_mean"] == 0.0 and c["kld_rev_max"] == 0.0
@@ -80,6 +82,9 @@ def test_int4_against_unquantized_matches_a_direct_float64_computation(compose):
     assert c["p_diff_mean"] == pytest.approx(direct["p_diff"].mean().item(), rel=1e-5)
     assert c["same_top"] == pytest.approx(direct["same"].double().mean().item(), abs=1.5 / 1882)
     assert r["quant"]["name"] == "int4" and r["reference_quant"] is None
+    floor = c["noise_floor"]  # 1882 tokens in 4 windows: the sample is all of them
+    assert floor["windows"] == 4 and floor["tokens"] == 1882 and floor["precision"] == "32-true"
+    assert 0 < floor["kld_mean"] < 1e-9 and floor["same_top"] == 1.0
     rev = direct["kld_rev"]
     assert c["kld_rev_mean"] == pytest.approx(rev.mean().item(), rel=1e-6) and c["kld_rev_mean"] != c["kld_mean"]
     assert c["kld_rev_p99"] == pytest.approx(torch.quantile(rev, 0.99).item(), rel=ALPHA + 1e-5)
@@ -105,6 +110,33 @@ def test_reference_in_float64_against_a_float32_run(compose):
     c = r["compare"]
     assert 0.0 < c["kld_mean"] < 1e-9 and c["same_top"] > 0.999
     assert c["ppl_ratio"] == pytest.approx(1.0, abs=1e-6)
+    # A float64 reference re-scored in float64: the same operations on the same windows, so no noise at all.
+    floor = c["noise_floor"]
+    assert floor["kld_mean"] == floor["kld_max"] == 0.0 and floor["precision"] == "32-true, reference float64"
+
+
+def test_noise_floor_in_bf16_is_the_references_rounding(compose):
+    """bf16-true: the noise floor is KL(float64 ‖ bf16) of the sampled windows, as the models' own forwards give it,
+    well above 0 and below an int4 candidate's KLD."""
+    require_shared()
+    bf16 = ("precision=bf16-true", "quant=int4", "quant.group_size=32", "eval.seq_len=128")
+    c = evaluate(compose(*DATA, *bf16, "compare=unquantized", "compare.noise_floor=3"))["compare"]
+    floor = c["noise_floor"]
+    assert floor["windows"] == 3 and floor["precision"] == "bf16-true" and floor["source"] == "live"
+    assert 1e-4 < floor["kld_mean"] < c["kld_mean"] / 5 and floor["same_top"] < 1.0
+    spec = ModelSpec(path=str(STORIES))
+    dm = PerplexityDataModule(DataSpec(path=str(TINYSTORIES)), spec.tokenizer(), mode="rolling", seq_len=128)
+    dm.setup()
+    ids = noise_floor.sample_windows(dm.first_token, 3)
+    assert len(ids) == 3 and ids[0] == 0 and ids[-1] == len(dm.windows) - 1  # spread over the whole corpus
+    batch = WindowCollator(dm.corpus, dm.windows, first_token=dm.first_token)(ids.tolist())
+    inputs, index = batch["input_ids"], batch["score_index"]
+    with torch.no_grad():  # bf16-true's plugin casts the whole module: RoPE's inv_freq buffer too (+10% KLD here)
+        models = (spec.build(torch.float64), spec.build(torch.bfloat16).to(torch.bfloat16))
+        lp, lq = (m(inputs).logits.flatten(0, 1)[index].double().log_softmax(-1) for m in models)
+    kld = (lp.exp() * (lp - lq)).sum(-1)
+    assert floor["tokens"] == kld.numel()
+    assert floor["kld_mean"] == pytest.approx(kld.mean().item(), rel=1e-9)
 
 
 def test_reference_dtype_that_a_true_precision_would_cast_is_refused(compose):

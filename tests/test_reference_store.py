@@ -24,7 +24,7 @@ def _numbers(c: dict, prefix: str = "") -> dict[str, float]:
             out |= _numbers(v, f"{prefix}{k}.")
         elif isinstance(v, list):
             out |= _numbers({str(i): x for i, x in enumerate(v)}, f"{prefix}{k}.")
-        elif v is not None:
+        elif isinstance(v, int | float):  # not the noise floor's precision and source
             out[f"{prefix}{k}"] = v
     return out
 
@@ -59,6 +59,11 @@ def test_saved_reference_gives_the_live_comparison(saved):
     assert 0 < live["kld_mean"] < 0.1
     assert _worst(live, read) <= 1e-6, {k: (live[k], read[k]) for k in live if live[k] != read[k]}
     assert saved["read"]["ppl"] == saved["live"]["ppl"]
+    # The noise floor: measured by the saving run on its model, stored, read back; the live one measures the same.
+    stored = saved["ref"]["saved_reference"]["noise_floor"]
+    assert json.loads((saved["store"] / "manifest.json").read_text())["noise_floor"] == stored
+    assert live["noise_floor"] == stored and read["noise_floor"] == {**stored, "source": "saved"}
+    assert 0 < stored["kld_mean"] < 1e-9 and stored["windows"] == 4 and stored["precision"] == "32-true"
 
 
 def test_store_size_is_hidden_states_and_the_head(saved):
@@ -157,6 +162,8 @@ def test_saved_reference_under_every_layout(saved, docs_file, tmp_path):
     evaluate_overrides([*saved["base"], *det, f"save_reference={one}"], tmp_path / "one_out")
     entry("fsdp_save", *det, "strategy=fsdp", "trainer.devices=2", f"save_reference={two}")
     assert _store_files(one) == _store_files(two)
+    floors = [json.loads((s / "manifest.json").read_text())["noise_floor"] for s in (one, two)]
+    assert floors[0] == floors[1] and floors[0]["kld_mean"] > 0  # measured on the sharded model: one process's
     r = entry("fsdp", "quant=int8", "strategy=fsdp", "trainer.devices=2", *read)  # the stored head sharded
     assert _worst(saved["live"]["compare"], r["compare"]) <= 1e-6
     single = evaluate_overrides([*saved["base"], *det, "quant=int8", *read], tmp_path / "det1")["compare"]
@@ -195,7 +202,7 @@ def test_reverse_kld_and_buckets_under_fsdp_are_one_processes(saved, tmp_path):
     runs = torchrun_sweep([*det, "strategy=fsdp", "trainer.devices=2", sweep], 2, tmp_path / "sweep", timeout=600)
     assert [r["world_size"] for r in runs] == [2, 2] and "reference_store" in runs[1]
     for one, two in zip(single, (r["compare"] for r in runs), strict=True):
-        assert two == one
+        assert two == one and two["noise_floor"]["kld_mean"] > 0  # the noise floor too, bit for bit
         assert (
             0 < one["kld_rev_mean"] != one["kld_mean"]
             and sum(b["tokens"] for b in one["kld_by_top_p"]) == one["tokens"]
