@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import doctest
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -378,3 +380,16 @@ def test_histograms_sync_across_two_gloo_ranks(tmp_path):
         if exact:
             assert got == single
         assert int(r0[exact][1].sum()) + int(r1[exact][1].sum()) == 40_000  # each rank held only its share
+
+
+def test_a_float64_copy_that_does_not_fit_is_not_built(monkeypatch):
+    """The noise floor's float64 copy past the memory budget: not measured, and the note says why (nothing built)."""
+    scorer = TokenScorer(ModelSpec().build(), 5)  # the built-in model: no files needed
+    strategy = SimpleNamespace(reduce_boolean_decision=lambda fits, all: fits)
+    module = SimpleNamespace(device=torch.device("cpu"), global_rank=0, trainer=SimpleNamespace(strategy=strategy))
+    reference = noise_floor.Reference(ModelSpec(), scorer, contextlib.nullcontext, "32-true")
+    monkeypatch.setattr(noise_floor, "default_budget", lambda device: 1000)
+    got = noise_floor.measure(module, reference, 4)
+    needed = sum(p.numel() for p in scorer.parameters()) * 8 / 2**30
+    assert got["kld_mean"] is None and f"{needed:.3g} GiB needed, {1000 / 2**30:.3g} GiB free" in got["note"]
+    assert noise_floor.measure(module, reference, 0) is None

@@ -15,7 +15,10 @@ operation after it — what a candidate's KLD cannot be read below.
   (or before lit-ppl measured it) has none: ``kld_mean`` is ``null`` with a ``note``;
 * a quantized reference: not measured (``kld_mean`` ``null``, a ``note``): its float64 re-score would measure its
   quantization, not its rounding;
-* ``compare.noise_floor=0``: the key is ``null``.
+* ``compare.noise_floor=0``: the key is ``null``;
+* a float64 copy that would not fit (its share of the weights on any rank past what
+  :func:`lit_ppl.data.autobatch.default_budget` allows: 90% of the free GPU memory, half the available host memory):
+  not measured, the ``note`` gives both sizes.
 
 Exact under every layout: each window's sums go to its own row of :class:`lit_ppl.metrics.kl.NoiseFloorSums` (one
 rank fills it), added in window order. Under fsdp the float64 re-score all-gathers the same weights as one process
@@ -35,9 +38,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit_ppl.data.autobatch import default_budget
 from lit_ppl.data.datamodule import WindowCollator
 from lit_ppl.metrics.kl import NoiseFloorSums, token_stats
-from lit_ppl.model.placement import Placement, place
+from lit_ppl.model.placement import Placement, place, weight_bytes
 from lit_ppl.model.scorer import TokenScorer
 from lit_ppl.model.spec import ModelSpec
 
@@ -86,6 +90,9 @@ def measure(module: Any, reference: Reference, count: int) -> dict[str, Any] | N
     """
     if count <= 0:
         return None
+    too_big = _too_big(module, reference.scorer)
+    if too_big:
+        return not_measured(too_big)
     dm = module.trainer.datamodule
     ids = sample_windows(dm.first_token, count)
     placement: Placement = dataclasses.replace(module.placement, compile_decoder=False)
@@ -107,6 +114,21 @@ def measure(module: Any, reference: Reference, count: int) -> dict[str, Any] | N
         del exact64
         gc.collect()
     return {**out, "windows": len(ids), "precision": reference.precision, "source": "live"}
+
+
+def _too_big(module: Any, scorer: TokenScorer) -> str | None:
+    """Why a float64 copy of ``scorer`` would not fit beside the run's models on some rank (``None``: it fits); every
+    rank's verdict is every rank's, so that all build it or none."""
+    dtype = next(scorer.parameters()).dtype
+    needed = weight_bytes(scorer) * 8 // (torch.finfo(dtype).bits // 8)
+    budget = default_budget(module.device)
+    fits = module.trainer.strategy.reduce_boolean_decision(needed <= budget, all=True)
+    if fits:
+        return None
+    return (
+        f"a float64 copy of the reference does not fit on every rank (rank {module.global_rank}: "
+        f"{needed / 2**30:.3g} GiB needed, {budget / 2**30:.3g} GiB free); fsdp would split it"
+    )
 
 
 def _data_rank(module: Any) -> tuple[int, int]:
