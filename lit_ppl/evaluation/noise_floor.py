@@ -20,10 +20,11 @@ operation after it — what a candidate's KLD cannot be read below.
   :func:`lit_ppl.data.autobatch.default_budget` allows: 90% of the free GPU memory, half the available host memory):
   not measured, the ``note`` gives both sizes.
 
-Exact under every layout: each window's sums go to its own row of :class:`lit_ppl.metrics.kl.NoiseFloorSums` (one
-rank fills it), added in window order. Under fsdp the float64 re-score all-gathers the same weights as one process
-holds, so the figure is one process's; under tensor parallelism both scores carry the split sums' rounding (like the
-comparison itself), so it agrees with one process's to the precision's rounding, not bit for bit.
+Exact under every layout: each window's sums go to its own row of
+:class:`lit_ppl.metrics.noise_floor.NoiseFloorSums` (one rank fills it), added in window order. Under fsdp the
+float64 re-score all-gathers the same weights as one process holds, so the figure is one process's; under tensor
+parallelism both scores carry the split sums' rounding (like the comparison itself), so it agrees with one process's
+to the precision's rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import torch
 
 from lit_ppl.data.autobatch import default_budget
 from lit_ppl.data.datamodule import WindowCollator
-from lit_ppl.metrics.kl import NoiseFloorSums, token_stats
+from lit_ppl.metrics.kl import token_stats
+from lit_ppl.metrics.noise_floor import NoiseFloorSums
 from lit_ppl.model.placement import Placement, place, weight_bytes
 from lit_ppl.model.scorer import TokenScorer
 from lit_ppl.model.spec import ModelSpec
