@@ -21,8 +21,8 @@ RESULTS_MARKER = "<!-- lit-ppl:results-reference -->"
 
 
 def _cell(text: Any) -> str:
-    """A value inside a Markdown table cell: code, pipes escaped."""
-    text = str(text).replace("|", "\\|")
+    """A value inside a Markdown table cell, as code (Python-Markdown's tables keep a code span's pipes)."""
+    text = str(text).replace("`", "'")
     return f"`{text}`" if text else ""
 
 
@@ -77,7 +77,7 @@ def config_rows(schema: type, node: dict[str, Any] | None, prefix: str) -> Itera
         elif key == "logger":
             yield (
                 key,
-                " \\| ".join(LOGGERS),
+                " | ".join(LOGGERS),
                 "none",
                 f"{doc}: `logger=NAME`; `logger.KEY` the chosen logger's arguments",
             )
