@@ -94,6 +94,33 @@ def test_readme_links_land(site):
             assert f'id="{anchor}"' in page.read_text(encoding="utf-8"), f"{target}#{anchor}"
 
 
+# Keys the docs name on purpose as wrong: the example of an unknown key's one-line error.
+WRONG_ON_PURPOSE = {"eval.strid"}
+
+
+def test_every_key_the_docs_name_exists():
+    """Every dotted key README.md and docs/ write in code (`quant.group_size`, `eval.stride=512`) below a config
+    node is a key of the schema, or of results.json (`compare.kld_mean`, or below a node its table describes
+    whole, such as `quant.calibration.gptq`)."""
+    keys = set(_schema_keys(ValidateConfig))
+    nodes = {k.split(".")[0] for k in keys} - {"trainer", "logger"}  # those two take their library's arguments
+    whole = {r.key for r in RESULT_KEYS if r.type.startswith("dict")}
+    named, unknown = 0, []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for key in re.findall(r"`([a-z_]+(?:\.[a-z_0-9]+|\[\d+\])+)(?:=[^`]*)?`", path.read_text(encoding="utf-8")):
+            if key.split(".")[0] not in nodes:
+                continue
+            named += 1
+            key = re.sub(r"\[\d+\]", "[]", key)
+            parents = {".".join(key.split(".")[:i]) for i in range(1, key.count(".") + 1)}
+            if not (
+                key in keys or any(p.match(key) for _, p in PATTERNS) or parents & whole or key in WRONG_ON_PURPOSE
+            ):
+                unknown.append(f"{path.relative_to(ROOT)}: {key}")
+    assert named > 100, named
+    assert not unknown, unknown
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # RESULT_KEYS against what real runs write
 
