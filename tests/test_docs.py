@@ -94,6 +94,18 @@ def test_readme_links_land(site):
             assert f'id="{anchor}"' in page.read_text(encoding="utf-8"), f"{target}#{anchor}"
 
 
+def test_every_file_the_docs_name_exists():
+    """Every path into the checkout that README.md and docs/ write in code (`lit_ppl/config/guard.py`,
+    `benchmarks/startup.py`) exists: a file moved or removed leaves no stale pointer behind."""
+    named = set()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = path.read_text(encoding="utf-8")
+        named |= set(re.findall(r"`((?:lit_ppl|tests|benchmarks|conf|configs|slurm|docs|\.ci)/[\w./-]*)`", text))
+    assert len(named) > 20, named
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, missing
+
+
 # Keys the docs name on purpose as wrong: the example of an unknown key's one-line error.
 WRONG_ON_PURPOSE = {"eval.strid"}
 
