@@ -117,7 +117,7 @@ def test_reference_in_float64_against_a_float32_run(compose):
     assert floor["kld_mean"] == floor["kld_max"] == 0.0 and floor["precision"] == "32-true, reference float64"
 
 
-def test_noise_floor_in_bf16_is_the_references_rounding(compose):
+def test_noise_floor_in_bf16_is_the_references_rounding(compose, tmp_path, capsys):
     """bf16-true: the noise floor is KL(float64 ‖ bf16) of the sampled windows, as the models' own forwards give it,
     well above 0 and below an int4 candidate's KLD."""
     require_shared()
@@ -126,6 +126,8 @@ def test_noise_floor_in_bf16_is_the_references_rounding(compose):
     floor = c["noise_floor"]
     assert floor["windows"] == 3 and floor["precision"] == "bf16-true" and floor["source"] == "live"
     assert 1e-4 < floor["kld_mean"] < c["kld_mean"] / 5 and floor["same_top"] < 1.0
+    shown = f"{floor['kld_mean']:.3g} ± {floor['kld_mean_unc']:.2g}"  # the summary's row and report.html's
+    assert shown in capsys.readouterr().out and f"{shown} · 3 windows" in (tmp_path / "out" / "report.html").read_text()
     spec = ModelSpec(path=str(STORIES))
     dm = PerplexityDataModule(DataSpec(path=str(TINYSTORIES)), spec.tokenizer(), mode="rolling", seq_len=128)
     dm.setup()

@@ -135,6 +135,11 @@ RESULT_KEYS: tuple[ResultKey, ...] = (
     ResultKey("saved_reference.path", "str", "its directory"),
     ResultKey("saved_reference.tokens", "int", "rows stored"),
     ResultKey("saved_reference.bytes", "int", "its bytes"),
+    ResultKey(
+        "saved_reference.noise_floor",
+        "dict | null",
+        "the saving model's noise floor (as compare.noise_floor), kept for compare=saved; null: noise_floor=0",
+    ),
     ResultKey("reference_store", "dict", "compare=saved: the store read"),
     ResultKey("reference_store.store", "str", "its directory"),
     ResultKey("reference_store.model", "str", "the model that wrote it"),
@@ -181,4 +186,25 @@ RESULT_KEYS: tuple[ResultKey, ...] = (
     ResultKey("compare.kld_histogram.counts", "list[int]", "tokens per bin"),
     ResultKey("compare.kld_histogram.below", "int", "values below the first bin (zeros, rounding-level)"),
     ResultKey("compare.kld_histogram.above", "int", "values past the last bin"),
+    # The reference's noise floor (lit_ppl/evaluation/noise_floor.py).
+    ResultKey(
+        "compare.noise_floor",
+        "dict | null",
+        "the reference's own rounding: KL(float64 re-score ‖ reference as run) on compare.noise_floor windows spread "
+        "over the corpus; null: compare.noise_floor=0",
+    ),
+    ResultKey(
+        "compare.noise_floor.kld_mean",
+        "float | null",
+        "its mean KLD (nats); null: not measured (a quantized reference, a store without one, no memory for the copy)",
+    ),
+    ResultKey("compare.noise_floor.kld_mean_unc", "float", "its standard error"),
+    ResultKey("compare.noise_floor.kld_rev_mean", "float", "its mean reverse KLD"),
+    ResultKey("compare.noise_floor.kld_max", "float", "its largest KLD"),
+    ResultKey("compare.noise_floor.same_top", "float", "top-1 agreement of the two scores"),
+    ResultKey("compare.noise_floor.tokens", "int", "tokens re-scored"),
+    ResultKey("compare.noise_floor.windows", "int", "windows re-scored (fewer than asked when the text has fewer)"),
+    ResultKey("compare.noise_floor.precision", "str", "the precision the reference ran in (and its own dtype if set)"),
+    ResultKey("compare.noise_floor.source", "str", "live: measured by this run; saved: by the run saving the store"),
+    ResultKey("compare.noise_floor.note", "str", "why it was not measured (only then)"),
 )
