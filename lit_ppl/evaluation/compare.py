@@ -137,8 +137,8 @@ class CompareModule(KLModule):
         return super().holds_quantized_weights() or self.ref_quantize is not None
 
     def on_validation_epoch_end(self) -> None:
-        self.noise_floor = self.measure_noise_floor()  # collective, on every rank, before the metrics' sync
-        super().on_validation_epoch_end()
+        super().on_validation_epoch_end()  # the peers checked and the metrics synced first; not in the run's seconds
+        self.noise_floor = self.measure_noise_floor()  # collective: every rank
 
     def measure_noise_floor(self) -> dict[str, Any] | None:
         """The live reference's noise floor (:func:`lit_ppl.evaluation.noise_floor.measure`)."""
