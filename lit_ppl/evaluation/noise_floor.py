@@ -21,8 +21,8 @@ operation after it — what a candidate's KLD cannot be read below.
   not measured, the ``note`` gives both sizes.
 
 Cost: a float64 copy of the reference (built from its checkpoint, freed after) and two forwards of each sampled
-window, about ``N / windows`` of a comparison's evaluation (the default 4 of WikiText-2's ~580 windows at seq_len 512:
-under 1%; all of a text of 4 windows or fewer: as much again). Measured after the run's ``seconds``.
+window, about ``N / windows`` of a comparison's evaluation (the default 4 of a few hundred windows: about 1%; a text
+of 4 windows or fewer: as much again). Measured after the run's ``seconds``.
 
 Exact under every layout: each window's sums go to its own row of
 :class:`lit_ppl.metrics.noise_floor.NoiseFloorSums` (one rank fills it), added in window order. Under fsdp the
