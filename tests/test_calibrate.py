@@ -168,7 +168,7 @@ def test_calibration_runs_under_every_split_layout_and_auto_is_refused_only_unde
         else:
             with pytest.raises(ValueError, match=f"quant=auto with strategy layout {layout.kind}: .*quant_policy.yaml"):
                 quantize.check_layout(auto, layout)
-        with pytest.raises(ValueError, match="quant.source=rank0 with strategy layout"):
+        with pytest.raises(ValueError, match=r"quant\.source=rank0 with strategy layout"):
             quantize.check_layout(quant_config({"name": "int4", "method": "awq", "source": "rank0"}), layout)
 
 
