@@ -210,6 +210,7 @@ def test_quantized_weights_are_sharded_and_exact(docs_file, tmp_path, compose, q
     assert max(r["rank_weight_bytes"]) < 0.65 * one["rank_weight_bytes"][0], (r["rank_weight_bytes"], one)
 
 
+CAL = TINYSTORIES  # quant=auto's calibration text: refused before it is read
 BAD_LAYOUTS = [
     (["strategy=tp", "trainer.devices=3"], "parallel.tp=3 does not divide the model's 8 attention heads"),
     (["strategy=ddp", "trainer.devices=2", "parallel.tp=4"], "= 4 does not divide the world size 2"),
@@ -220,8 +221,8 @@ BAD_LAYOUTS = [
     ),
     (["strategy=tp", "trainer.devices=2", "eval.deterministic=true"], "parallel.tp=2 with eval.deterministic=true"),
     (
-        ["strategy=tp", "trainer.devices=2", "quant=awq", f"quant.calibration.path={TINYSTORIES}"],
-        "quant.method=awq with strategy layout tp",
+        ["strategy=tp", "trainer.devices=2", "quant=auto", "quant.budget.kld=0.01", f"quant.calibration.path={CAL}"],
+        "quant=auto with strategy layout tp",
     ),
 ]
 
