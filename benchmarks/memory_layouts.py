@@ -151,16 +151,15 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
     rows = []
-    one_peak = None
     for name in args.layouts.split(","):
         for rank, out in enumerate(run_layout(args, name)):
             ph = out["phases"]
-            peak = max(hwm for _, hwm in ph.values())
-            one_peak = peak if name == "1" else one_peak
-            row = {"layout": name, "rank": rank, "weights MB": out["weights_mb"], "peak MB": peak}
+            row = {"layout": name, "rank": rank, "weights MB": out["weights_mb"]}
             row |= {p: ph[p][1] if p in ph else "—" for p in PHASES}
-            row["peak / 1 process"] = peak / one_peak if one_peak else "—"
-            rows.append(row)
+            rows.append(row | {"peak MB": max(hwm for _, hwm in ph.values())})
+    one_peak = max((r["peak MB"] for r in rows if r["layout"] == "1"), default=None)
+    for row in rows:
+        row["peak / 1 process"] = row["peak MB"] / one_peak if one_peak else "—"
     print(f"{args.model.name}: high-water RSS (MB) after each phase, per rank\n")
     print(table(rows, ["layout", "rank", "weights MB", *PHASES, "peak MB", "peak / 1 process"]))
 
