@@ -29,6 +29,19 @@ def safetensors_files(path: str, root: Path) -> list[Path]:
         raise LitPplError(f"model.path={path!r}: {index.name} is not a safetensors index ({err})") from None
 
 
+def checkpoint_root(location: str, hub_id: str, revision: str | None) -> Path | None:
+    """The checkpoint's directory: ``location``, or a hub id's cached snapshot (``None``: not cached)."""
+    root = Path(location).expanduser()
+    if root.is_dir():
+        return root
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(hub_id, revision=revision, local_files_only=True))
+    except Exception:  # not cached: from_pretrained will say so
+        return None
+
+
 def check_safetensors(path: str, root: Path) -> None:
     """Every safetensors file ``from_pretrained`` would read in ``root`` opens: a header that parses and a file as
     long as its tensors need."""

@@ -15,6 +15,7 @@ from torch import nn
 from lit_ppl.errors import LitPplError, first_line
 from lit_ppl.model.checkpoint import (
     check_safetensors,
+    checkpoint_root,
     key_problem,
     safetensors_files,
     tensor_sources,
@@ -147,7 +148,7 @@ class ModelSpec:
         hub id not in the cache."""
         if self.is_builtin:
             return []
-        root = self._root()
+        root = checkpoint_root(self.location, self.path, self.revision)
         if root is None:
             return []
         out = []
@@ -251,28 +252,14 @@ class ModelSpec:
             return self.build(dtype).state_dict()
 
     def tensor_sources(self, lm: nn.Module) -> dict[str, tuple[str, str]] | None:
-        """Where each tensor of ``lm`` (built by :meth:`build_empty`) lies in the checkpoint's safetensors files,
-        for each rank to read its own part (:func:`lit_ppl.model.checkpoint.tensor_sources`); ``None`` where one
-        reader must read it through ``from_pretrained``: a GGUF (transformers dequantizes it whole), a checkpoint
-        with its own quantization (its quantizer reads the packed tensors), the checkpoint's own code, no
-        safetensors files (``.bin``), or tensors transformers fuses on the way (mixture-of-experts layers)."""
+        """Where each tensor of ``lm`` (:meth:`build_empty`'s) lies in the safetensors files, for each rank to read
+        its own part (:func:`lit_ppl.model.checkpoint.tensor_sources`); ``None`` where rank 0 reads it through
+        ``from_pretrained``: a GGUF, a quantized checkpoint, remote code, no safetensors (``.bin``), fused experts."""
         if self.is_builtin or self.gguf_file is not None or self.trust_remote_code or self.stored_quantization():
             return None
-        root = self._root()
+        root = checkpoint_root(self.location, self.path, self.revision)
         files = safetensors_files(self.path, root) if root is not None else []
         return tensor_sources(self.path, files, lm) if files else None
-
-    def _root(self) -> Path | None:
-        """The checkpoint's directory: ``path``, or a hub id's cached snapshot (``None``: not cached)."""
-        root = Path(self.location).expanduser()
-        if root.is_dir():
-            return root
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(self.path, revision=self.revision, local_files_only=True))
-        except Exception:  # not cached: from_pretrained will say so
-            return None
 
     def config(self) -> Any:
         """The model's transformers config (the built-in model's, or the checkpoint's), without its weights."""
