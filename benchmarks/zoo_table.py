@@ -1,9 +1,9 @@
 """The architecture table: each zoo family's reference PPL, lit-ppl at 1 process, under fsdp × 2 and tp × 2, int8.
 
-Not a speed benchmark: the figures the architectures table in docs/guides/architectures.md and the closing notes quote. It builds the
-tiny random-init models of ``tests/helpers/zoo.py``, scores them with a plain Hugging Face float64 forward, then runs
-``python -m lit_ppl.validate`` on each (1 process, ``strategy=fsdp trainer.devices=2``, ``strategy=tp
-trainer.devices=2``, ``quant=int8``).
+Not a speed benchmark: the figures the architectures table in docs/guides/architectures.md and the closing notes
+quote. It builds the tiny random-init models of ``tests/helpers/zoo.py``, scores them with a plain Hugging Face
+float64 forward, then runs ``python -m lit_ppl.validate`` on each (1 process, ``strategy=fsdp trainer.devices=2``,
+``strategy=tp trainer.devices=2``, ``quant=int8``).
 
     python benchmarks/zoo_table.py [--arch gpt2 --arch mixtral]    # ~5 minutes on 2 cores for all
 """

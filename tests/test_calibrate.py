@@ -155,6 +155,23 @@ def test_an_empty_calibration_set_is_refused(tmp_path):
         quantize.build({"name": "int8", "method": "awq"}, tokenizer())
 
 
+def test_calibration_runs_under_every_split_layout_and_auto_is_refused_only_under_tp():
+    from lit_ppl.parallel.layout import Layout
+
+    layouts = [Layout(1, 2, 1), Layout(2, 2, 1), Layout(1, 1, 2), Layout(1, 2, 2)]  # fsdp, hsdp, tp, fsdp_tp
+    for layout in layouts:
+        for method in ("awq", "gptq"):
+            quantize.check_layout(quant_config({"name": "int4", "method": method}), layout)
+        auto = quant_config({"name": "auto", "budget": {"kld": 0.01}})
+        if layout.tp == 1:
+            quantize.check_layout(auto, layout)
+        else:
+            with pytest.raises(ValueError, match=f"quant=auto with strategy layout {layout.kind}: .*quant_policy.yaml"):
+                quantize.check_layout(auto, layout)
+        with pytest.raises(ValueError, match=r"quant\.source=rank0 with strategy layout"):
+            quantize.check_layout(quant_config({"name": "int4", "method": "awq", "source": "rank0"}), layout)
+
+
 def test_methods_that_cannot_run_here_are_refused_in_one_line(tmp_path):
     require_shared()
     with pytest.raises(ValueError, match=r"quant\.method=gptq needs calibration text: set quant\.calibration\.path"):
@@ -595,3 +612,62 @@ def test_awq_int4_on_the_bf16_cpu_prototype_uses_torchaos_pre_scale(tmp_path):
         mod = model.get_submodule(name)
         assert mod.weight.act_pre_scale is not None and not hasattr(mod, PRE_SCALE)
     assert torch.isfinite(model(torch.randint(0, 512, (1, 16))).logits).all()
+
+
+# --- split layouts ------------------------------------------------------------------------------------------
+
+
+def _int4_args(method: str, cache) -> list[str]:
+    """Calibrated int4 (g32) of stories260K on TinyStories; each layer's statistics from Shakespeare in SMALL's
+    three batches (2 + 1 at two ranks)."""
+    return [
+        "model=hf",
+        f"model.path={STORIES}",
+        "data=text",
+        f"data.path={TINYSTORIES}",
+        f"data.cache_dir={cache}",
+        "trainer=cpu",
+        "report.plots=false",
+        f"quant={method}",
+        "quant.name=int4",
+        "quant.group_size=32",
+        f"quant.calibration.path={SHAKESPEARE}",
+        *(f"quant.calibration.{k}={v}" for k, v in SMALL.items()),
+        "eval.seq_len=128",
+        "++quant.gptq.act_order=true",  # GPTQ's options (AWQ has none to read)
+        "++quant.gptq.sequential=true",
+    ]
+
+
+@pytest.mark.slow
+def test_calibrated_int4_under_fsdp_is_one_process_model_and_tp_its_perplexity(compose, tmp_path):
+    """AWQ and GPTQ (act-order, sequential) int4 at fsdp × 2 (each rank calibrates on its share of the batches) hold
+    the weights of one process bit for bit (the layout-free digest), so the same perplexity; at tp × 2 (each split
+    layer observed and solved whole, o_proj's GPTQ error feedback over its whole rows) the perplexity within 1e-4."""
+    from lit_ppl.run import evaluate
+
+    require_shared()
+    # One process in deterministic mode (one thread, as each torchrun rank here: OMP_NUM_THREADS=1); the ranks run
+    # without it, which tp refuses (its split sums round differently) and calibration does not read.
+    single = {m: evaluate(compose(*_int4_args(m, tmp_path), "eval.deterministic=true")) for m in ("awq", "gptq")}
+    assert len({r["quant"]["digest"] for r in single.values()}) == 2
+    # One torchrun launch of 2 ranks runs the four jobs: quant × strategy, in Hydra's sweep order.
+    args = [*_int4_args("awq,gptq", tmp_path), "strategy=fsdp,tp", "trainer.devices=2"]
+    runs = torchrun_sweep(args, 2, tmp_path / "split", timeout=900)
+    assert len(runs) == 4
+    for r in runs:
+        method, kind = r["quant"]["modules"]["model.layers.0.self_attn.q_proj"]["method"], r["parallel"]["kind"]
+        one = single[method]
+        assert r["world_size"] == 2 and r["quant"]["calibration"]["tokens"] == SMALL["tokens"], (method, kind)
+        assert method == "awq" or r["quant"]["calibration"]["gptq"]["act_order"]
+        o_proj = r["quant"]["modules"]["model.layers.0.self_attn.o_proj"]
+        assert o_proj["config"] == one["quant"]["modules"]["model.layers.0.self_attn.o_proj"]["config"] == "int4-g32"
+        if kind == "fsdp":
+            assert r["quant"]["calibration"]["world_size"] == 2
+            assert r["quant"]["digest"] == one["quant"]["digest"], method
+            assert r["quant"]["consistency"]["digest"] == one["quant"]["consistency"]["digest"], method
+            assert r["ppl"] == pytest.approx(one["ppl"], rel=1e-9), method
+        else:
+            assert kind == "tp" and r["quant"]["calibration"]["tp"] == 2
+            assert r["quant"]["digest"] is not None
+            assert abs(r["ppl"] / one["ppl"] - 1) < 1e-4, (method, r["ppl"], one["ppl"])

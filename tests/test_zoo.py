@@ -98,6 +98,33 @@ def test_int8_quantizes_every_architecture(arch, reference, zoo_root, compose):
     assert 0 < q["full_precision_fraction"] < 0.6
 
 
+# Families whose checkpoints transformers converts on the way in (fuses per-expert tensors): read by rank 0.
+READ_BY_RANK_0 = {"mixtral", "qwen2_moe"}
+
+
+def test_each_rank_reads_what_from_pretrained_reads(reference):
+    """The per-rank reader's view of every family's checkpoint (transformers' key renames, tied weights) fills an
+    empty model with exactly the tensors ``from_pretrained`` loads, bit for bit; the families transformers
+    converts on the way are left to rank 0's ``from_pretrained``."""
+    from lit_ppl.model.spec import ModelSpec
+    from lit_ppl.parallel.sharding import load_own_parts, materialize
+
+    rank0 = set()
+    for arch in zoo.ARCHITECTURES:
+        spec = ModelSpec(path=str(reference(arch)[0]))
+        lm = spec.build_empty(torch.float32)
+        sources = spec.tensor_sources(lm)
+        if sources is None:
+            rank0.add(arch)
+            continue
+        materialize(lm, torch.device("cpu"))
+        load_own_parts(lm, sources, {}, None)
+        theirs, ours = spec.build(torch.float32).state_dict(), lm.state_dict()
+        assert set(ours) == set(theirs), arch
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs), arch
+    assert rank0 == READ_BY_RANK_0
+
+
 def sweep_two_ranks(archs: list[str], reference, zoo_root: Path, tmp_path: Path, strategy: str) -> dict[str, dict]:
     """Every family in one sweep (``-m model.path=A,B,...``) under ``torchrun --nproc_per_node 2``: the same two
     ranks run every job, so each family costs its evaluation, not two interpreters' start-up. ``arch -> results``."""

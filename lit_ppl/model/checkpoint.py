@@ -10,26 +10,45 @@ import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from lit_ppl.errors import LitPplError, first_line
 
 
+def safetensors_files(path: str, root: Path) -> list[Path]:
+    """The safetensors files ``from_pretrained`` would read in ``root``: ``model.safetensors``, or the shards its
+    index names (empty: the checkpoint holds none)."""
+    index = root / "model.safetensors.index.json"
+    if (root / "model.safetensors").is_file():
+        return [root / "model.safetensors"]
+    if not index.is_file():
+        return []
+    try:
+        return sorted({root / name for name in json.loads(index.read_text())["weight_map"].values()})
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise LitPplError(f"model.path={path!r}: {index.name} is not a safetensors index ({err})") from None
+
+
+def checkpoint_root(location: str, hub_id: str, revision: str | None) -> Path | None:
+    """The checkpoint's directory: ``location``, or a hub id's cached snapshot (``None``: not cached)."""
+    root = Path(location).expanduser()
+    if root.is_dir():
+        return root
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(hub_id, revision=revision, local_files_only=True))
+    except Exception:  # not cached: from_pretrained will say so
+        return None
+
+
 def check_safetensors(path: str, root: Path) -> None:
-    """Every safetensors file ``from_pretrained`` would read in ``root`` (``model.safetensors``, or the shards its
-    index names) opens: a header that parses and a file as long as its tensors need."""
+    """Every safetensors file ``from_pretrained`` would read in ``root`` opens: a header that parses and a file as
+    long as its tensors need."""
     from safetensors import SafetensorError, safe_open
 
     index = root / "model.safetensors.index.json"
-    if (root / "model.safetensors").is_file():
-        files = [root / "model.safetensors"]
-    elif index.is_file():
-        try:
-            files = sorted({root / name for name in json.loads(index.read_text())["weight_map"].values()})
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise LitPplError(f"model.path={path!r}: {index.name} is not a safetensors index ({err})") from None
-    else:
-        return
-    for f in files:
+    for f in safetensors_files(path, root):
         try:
             with safe_open(str(f), "pt"):
                 pass
@@ -76,3 +95,75 @@ def without_load_report() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(drop)
+
+
+def tensor_sources(path: str, files: list[Path], lm: Any) -> dict[str, tuple[str, str]] | None:
+    """Where each of ``lm``'s tensors lies in the safetensors ``files``: model key → ``(file, checkpoint key)``.
+
+    ``lm`` is the model as built (on the meta device). The checkpoint's keys are renamed as ``from_pretrained``
+    renames them — transformers' own conversion mapping (``get_model_conversion_mapping``: GPT-NeoX's
+    ``embed_out``, legacy ``gamma``/``beta``), its base-model prefix, the unexpected keys it ignores — and a tied
+    parameter is read from whichever of its names the checkpoint holds, the tie's source first. ``None`` where
+    ``from_pretrained`` does more than rename: a converter that fuses or splits tensors (mixture-of-experts
+    layers), or a missing tensor it initialises itself; that model is read whole by one reader instead. A
+    checkpoint lacking a tensor, holding one the model does not use, or one of the wrong shape: one line.
+    """
+
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(lm)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = lm.state_dict()
+    found: dict[str, tuple[str, str, tuple[int, ...]]] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+                name, converted = rename_source_key(key, renamings, converters, lm.base_model_prefix, meta)
+                if converted is not None:
+                    return None
+                found[name] = (str(f), key, tuple(handle.get_slice(key).get_shape()))
+    buffers = {n for n, _ in lm.named_buffers()}
+    unexpected = [n for n in found if n not in meta and not _ignored(lm, "unexpected", n, buffers)]
+    sources, missing, mismatched = {}, [], []
+    for names in _aliases(lm, meta):
+        have = [n for n in names if n in found]
+        if not have:  # a buffer the checkpoint lacks keeps the value the model's __init__ computed
+            missing += [n for n in names if n not in buffers]
+            continue
+        file, key, shape = found[have[0]]
+        if shape != tuple(meta[names[0]].shape):
+            mismatched.append(f"{have[0]} (checkpoint {list(shape)}, model {list(meta[names[0]].shape)})")
+        sources.update(dict.fromkeys(names, (file, key)))
+    if any(_ignored(lm, "missing", n, buffers) for n in missing):
+        return None  # from_pretrained initialises these itself
+    problem = key_problem(path, missing, unexpected, mismatched)
+    if problem:
+        raise LitPplError(problem)
+    return sources
+
+
+def _aliases(lm: Any, meta: dict[str, Any]) -> list[list[str]]:
+    """The model's state-dict names grouped by the tensor they name (tied weights share one), each group's tie
+    source (``all_tied_weights_keys``' values) first."""
+    groups: dict[int, list[str]] = {}
+    for name, param in lm.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    named = {n for g in groups.values() for n in g}
+    sources = set((getattr(lm, "all_tied_weights_keys", None) or {}).values())
+    out = [sorted(g, key=lambda n: (n not in sources, n)) for g in groups.values()]
+    return out + [[n] for n in meta if n not in named]
+
+
+def _ignored(lm: Any, kind: str, name: str, buffers: set[str]) -> bool:
+    """Whether ``from_pretrained`` ignores a ``kind`` ("missing" or "unexpected") key: the model's
+    ``_keys_to_ignore_on_load_*`` patterns, and the stale rotary and position-id buffers of old checkpoints."""
+    import re
+
+    patterns = set(getattr(lm, f"_keys_to_ignore_on_load_{kind}", None) or ())
+    if kind == "unexpected":
+        patterns |= {r"rotary_emb\.inv_freq"} if any(b.endswith("rotary_emb.inv_freq") for b in buffers) else set()
+        patterns |= {r"(^|\.)position_ids$"} if any(b.endswith("position_ids") for b in buffers) else set()
+    return any(re.search(p, name) for p in patterns)

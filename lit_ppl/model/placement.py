@@ -7,7 +7,8 @@
   reads it, then quantized;
 * a split layout: built on the meta device (no rank but the reader ever holds the whole model), split for tensor
   parallelism (:mod:`lit_ppl.parallel.tensor_parallel`), FSDP-sharded when nothing will be quantized, materialised
-  empty, loaded (the reader reads, every rank keeps its part: :mod:`lit_ppl.parallel.sharding`), quantized — or a
+  empty, loaded (each rank reads its own part of a safetensors checkpoint; otherwise one reader reads and every rank
+  keeps its part: :mod:`lit_ppl.parallel.sharding`), quantized — or a
   stored checkpoint's codes restored — and then, quantized, its rows sharded by hand and the rest by FSDP (FSDP2
   cannot hold torchao's tensors).
 
@@ -34,6 +35,7 @@ from lit_ppl.parallel.sharding import (
     fsdp_mesh,
     fully_shard_blocks,
     load_from_rank0,
+    load_own_parts,
     materialize,
     shard_quantized_rows,
     tp_group,
@@ -41,6 +43,7 @@ from lit_ppl.parallel.sharding import (
     weight_bytes,
 )
 from lit_ppl.parallel.tensor_parallel import Group, parallelize
+from lit_ppl.runtime.memory import map_gathered_buffers
 
 __all__ = ["Placement", "Quantizes", "place", "place_head", "weight_bytes"]
 
@@ -94,9 +97,12 @@ def place(
         lm = spec.build(dtype, where.device)
         report = quantizer.quantize(lm, None, {}, None) if quantizer is not None else None
         return _compiled(TokenScorer(lm, where.chunk_size), where), report
+    if where.dp_mesh is not None and where.device.type == "cpu":
+        map_gathered_buffers()  # FSDP's gathered units would fragment the heap to a whole model's worth
     tp = tp_group(where.mesh, where.layout)
     lm = spec.build(dtype) if spec.is_builtin else spec.build_empty(dtype)
     expected = set(lm.state_dict())
+    sources = None if spec.is_builtin else spec.tensor_sources(lm)  # before any split: the model's own names
     splits = parallelize(lm, tp) if tp is not None else {}
     scorer = TokenScorer(lm, where.chunk_size, tp)
     if quantizer is None and where.dp_mesh is not None:
@@ -104,7 +110,11 @@ def place(
     read: Any = None
     if not spec.is_builtin:
         materialize(scorer, where.device)
-        read = _load(spec, lm, dtype, expected, splits, tp, quantizer, where.broadcast)
+        if sources is not None:  # every rank reads its own part: no reader, nothing for a quantizer to read
+            load_own_parts(lm, sources, splits, tp)
+        else:
+            read = _load(spec, lm, dtype, expected, splits, tp, quantizer, where.broadcast)
+        _check_loaded(spec, lm)
     report = quantizer.quantize(lm, tp, splits, read) if quantizer is not None else None
     if report is not None and where.dp_mesh is not None:
         # FSDP2 cannot hold torchao's tensors: their rows are sharded by hand, the rest by fully_shard.
@@ -136,8 +146,7 @@ def _load(
     broadcast: Callable[[Any], Any],
 ) -> Any:
     """Rank 0 reads the checkpoint as ``from_pretrained`` does, checks that its tensors are exactly the model's
-    and broadcasts them; :func:`lit_ppl.parallel.sharding.unloaded` proves no parameter was left NaN. Returns what
-    the quantizer read of the whole checkpoint."""
+    and broadcasts them. Returns what the quantizer read of the whole checkpoint."""
     import torch.distributed as dist
 
     full: dict[str, torch.Tensor] = {}
@@ -153,6 +162,11 @@ def _load(
     if problem:
         raise LitPplError(problem)
     load_from_rank0(lm, full, splits, tp)
+    return read
+
+
+def _check_loaded(spec: ModelSpec, lm: nn.Module) -> None:
+    """:func:`lit_ppl.parallel.sharding.unloaded` proves no parameter was left NaN, on any rank."""
     missing = unloaded(lm)
     if missing:
         raise LitPplError(
@@ -160,7 +174,6 @@ def _load(
             f"({', '.join(missing[:5])}): the checkpoint holds NaN there, or no tensor reached them (a bug in "
             "lit-ppl: please report it)"
         )
-    return read
 
 
 def _compiled(scorer: TokenScorer, where: Placement) -> TokenScorer:

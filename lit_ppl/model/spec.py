@@ -13,7 +13,14 @@ import torch
 from torch import nn
 
 from lit_ppl.errors import LitPplError, first_line
-from lit_ppl.model.checkpoint import check_safetensors, key_problem, without_load_report
+from lit_ppl.model.checkpoint import (
+    check_safetensors,
+    checkpoint_root,
+    key_problem,
+    safetensors_files,
+    tensor_sources,
+    without_load_report,
+)
 from lit_ppl.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from lit_ppl.runtime.packages import is_package_url, package_file
 
@@ -141,14 +148,9 @@ class ModelSpec:
         hub id not in the cache."""
         if self.is_builtin:
             return []
-        root = Path(self.location).expanduser()
-        if not root.is_dir():
-            try:
-                from huggingface_hub import snapshot_download
-
-                root = Path(snapshot_download(self.path, revision=self.revision, local_files_only=True))
-            except Exception:  # not cached: from_pretrained will say so
-                return []
+        root = checkpoint_root(self.location, self.path, self.revision)
+        if root is None:
+            return []
         out = []
         found = [root / self.gguf_file] if self.gguf_file is not None else sorted(root.rglob("*"))
         for f in found:
@@ -248,6 +250,16 @@ class ModelSpec:
         """
         with torch.device("cpu"):  # never the whole model on one accelerator
             return self.build(dtype).state_dict()
+
+    def tensor_sources(self, lm: nn.Module) -> dict[str, tuple[str, str]] | None:
+        """Where each tensor of ``lm`` (:meth:`build_empty`'s) lies in the safetensors files, for each rank to read
+        its own part (:func:`lit_ppl.model.checkpoint.tensor_sources`); ``None`` where rank 0 reads it through
+        ``from_pretrained``: a GGUF, a quantized checkpoint, remote code, no safetensors (``.bin``), fused experts."""
+        if self.is_builtin or self.gguf_file is not None or self.trust_remote_code or self.stored_quantization():
+            return None
+        root = checkpoint_root(self.location, self.path, self.revision)
+        files = safetensors_files(self.path, root) if root is not None else []
+        return tensor_sources(self.path, files, lm) if files else None
 
     def config(self) -> Any:
         """The model's transformers config (the built-in model's, or the checkpoint's), without its weights."""

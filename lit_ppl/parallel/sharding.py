@@ -6,9 +6,10 @@ tensor-parallel group is consecutive ranks: one node). Tensor parallelism splits
 data-parallel
 shard dimension (replicating over ``dp_replicate``: HSDP).
 
-Loading never puts the whole model on a rank other than the reader: parameters start on the meta device, are
-split, materialised empty, and rank 0 (which reads the checkpoint as ``from_pretrained`` does, with its key
-renames and fused experts) broadcasts one tensor at a time; each rank keeps its slice.
+Loading never puts the whole model on a rank: parameters start on the meta device, are split, materialised empty,
+and every rank reads its own slices of a safetensors checkpoint (:func:`load_own_parts`); where transformers does
+more than rename keys (fused experts, a GGUF, a quantized checkpoint) rank 0 reads it as ``from_pretrained`` does
+and broadcasts one block at a time, each rank keeping its slice (:func:`load_from_rank0`).
 """
 
 from __future__ import annotations
@@ -159,6 +160,38 @@ def load_from_rank0(
                         piece = piece.narrow(d, start[d], size[d])
                     dest[a - start[0] : b - start[0]].copy_(piece)
             del source
+
+
+def load_own_parts(
+    lm: nn.Module, sources: dict[str, tuple[str, str]], splits: dict[str, int | tuple[int, int, int]], tp: Group | None
+) -> None:
+    """Fill ``lm``'s (split, possibly FSDP-sharded) tensors from safetensors files, each rank reading only the
+    part it holds (``sources``: state-dict name → ``(file, checkpoint key)``; ``splits`` as in
+    :func:`load_from_rank0`). No collective: a rank's host holds its share plus the one slice in flight.
+
+    The file is opened per tensor: ``safe_open`` maps it, and the pages a slice read stay resident (and counted
+    in this process's RSS) until the handle closes.
+    """
+    from safetensors import safe_open
+
+    targets = lm.state_dict(keep_vars=True)
+    done: set[int] = set()
+    with torch.no_grad():
+        for name in sorted(sources):
+            target = targets[name]
+            if id(target) in done:  # tied weights: one tensor under several names
+                continue
+            done.add(id(target))
+            file, key = sources[name]
+            dest = local(target)
+            with safe_open(file, "pt") as handle:
+                part = handle.get_slice(key)
+                shape = tuple(part.get_shape())
+                start, size = kept_region(shape, target, splits.get(name), tp)
+                if shape and 0 in size:  # an uneven shard left this rank nothing
+                    continue
+                region = tuple(slice(a, a + n) for a, n in zip(start, size, strict=True))
+                dest.copy_(part[region] if shape else handle.get_tensor(key))
 
 
 def unloaded(module: nn.Module) -> list[str]:

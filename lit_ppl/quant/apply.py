@@ -28,7 +28,9 @@ from lit_ppl.errors import LitPplError
 from lit_ppl.parallel.ranks import world
 from lit_ppl.quant.assign import assign, rules_from_cfg
 from lit_ppl.quant.calibrated.awq import PRE_SCALE
-from lit_ppl.quant.consistency import broadcast_from_rank0, check_ranks_agree
+from lit_ppl.quant.calibrated.split import TpView
+from lit_ppl.quant.calibrated.stream import Where
+from lit_ppl.quant.consistency import broadcast_from_rank0, check_ranks_agree, whole_digest
 from lit_ppl.quant.methods import METHODS, Choice, Method
 from lit_ppl.quant.report import QuantReport, summary_lines
 from lit_ppl.quant.targets import to_plain_linear
@@ -37,11 +39,11 @@ from lit_ppl.runtime.memory import tensor_bytes
 log = logging.getLogger(__name__)
 
 
-def quantize_model(lm: nn.Module, cfg: QuantConfig, calibration: Any = None, tp: int = 1) -> QuantReport:
+def quantize_model(lm: nn.Module, cfg: QuantConfig, calibration: Any = None, tp: TpView | None = None) -> QuantReport:
     """Apply the typed ``quant`` config ``cfg`` to ``lm`` in place and return the report.
 
     ``calibration`` (a :class:`lit_ppl.quant.calibrated.text.Calibration`) is the text of calibrated methods.
-    ``tp``: the tensor-parallel degree, when ``lm`` holds this rank's slices of every split layer.
+    ``tp``: this rank's tensor-parallel group and splits, when ``lm`` holds this rank's slices of every split layer.
     """
     report = QuantReport(name=cfg.name, source=cfg.source)
     report.weight_bytes_before = sum(tensor_bytes(p) for _, p in lm.named_parameters())
@@ -49,7 +51,7 @@ def quantize_model(lm: nn.Module, cfg: QuantConfig, calibration: Any = None, tp:
     if cfg.name == "auto":  # measured, then applied as the policy it chose
         from lit_ppl.quant.auto.search import choose_policy
 
-        cfg, report.auto = choose_policy(lm, cfg, calibration, *world())
+        cfg, report.auto = choose_policy(lm, cfg, calibration, _where(*world(), tp))
     todo, report.modules, targets = assign(lm, rules_from_cfg(cfg), cfg.backend, cfg.group_fallback)
     _check_assigned(lm, report, todo, targets)
     before = {n: tensor_bytes(t.weight(lm)) for n, t in targets.items()}
@@ -61,7 +63,7 @@ def quantize_model(lm: nn.Module, cfg: QuantConfig, calibration: Any = None, tp:
         # torchao's tensors run in F.linear, not in the grouped-matmul kernels of transformers' default experts.
         lm.set_experts_implementation("eager")
         report.backend["experts"] = "transformers' eager experts loop (F.linear per expert)"
-    _calibrate(lm, todo, calibration, report, (rank, size, broadcast), cfg)
+    _calibrate(lm, todo, calibration, report, (rank, size, broadcast), cfg, tp)
     _round_to_nearest(lm, todo, experts, report, skip=broadcast and rank != 0)
     if broadcast:
         broadcast_from_rank0(lm, [n if n in experts else f"{n}.weight" for n in sorted(todo)])
@@ -72,6 +74,12 @@ def quantize_model(lm: nn.Module, cfg: QuantConfig, calibration: Any = None, tp:
         entry["bytes_before"], entry["bytes_after"] = before[name], tensor_bytes(targets[name].weight(lm))
     _finish_report(lm, report, tp)
     return report
+
+
+def _where(rank: int, size: int, tp: TpView | None) -> Where:
+    """This rank's data-parallel place (ranks ``rank // tp`` of ``size // tp``: the mesh's tp is the fastest dim)."""
+    t = tp.tp.size if tp is not None else 1
+    return Where(rank // t, size // t, tp)
 
 
 def _check_assigned(lm: nn.Module, report: QuantReport, todo: dict[str, Choice], targets: dict[str, Any]) -> None:
@@ -107,6 +115,7 @@ def _calibrate(
     report: QuantReport,
     where: tuple[int, int, bool],
     cfg: QuantConfig,
+    tp: TpView | None = None,
 ) -> None:
     """The calibrated layers, on the float model before any round-to-nearest layer changes their inputs (torchao's
     order: every observer sees float activations): each method's statistics first, then each method's quantization
@@ -124,7 +133,7 @@ def _calibrate(
     rank, size, broadcast = where
     if broadcast and rank != 0:
         return
-    at = (0, 1) if broadcast else (rank, size)
+    at = Where() if broadcast else _where(rank, size, tp)
     t0 = time.perf_counter()
     stats = {method: method.observe(lm, layers, calibration, at, cfg) for method, layers in methods.items()}
     facts: dict[str, dict[str, Any]] = {}
@@ -132,7 +141,7 @@ def _calibrate(
         facts.update(method.quantize(lm, layers, stats[method], calibration, at, cfg))
     for name, more in facts.items():
         report.modules[name].update(more)
-    info: dict[str, Any] = {**calibration.describe(), "world_size": at[1]}
+    info: dict[str, Any] = {**calibration.describe(), "world_size": at.size, "tp": at.tp_size}
     for method in methods:
         info |= method.info(cfg)
     info |= {"method": "+".join(m.name for m in methods), "seconds": time.perf_counter() - t0}
@@ -177,14 +186,15 @@ def _round_to_nearest(
             raise RuntimeError(f"{backend} failed on {chosen.seen or lm.__class__.__name__}: {err}") from err
 
 
-def _finish_report(lm: nn.Module, report: QuantReport, tp: int) -> None:
+def _finish_report(lm: nn.Module, report: QuantReport, tp: TpView | None) -> None:
     """The quantized parameters, their bytes, the ranks' agreement, and one log line each for skips and totals."""
     report.weight_bytes_after = sum(tensor_bytes(p) for _, p in lm.named_parameters())
     quantized = {id(p) for p in lm.parameters() if hasattr(p, "__tensor_flatten__")}
     report.quantized_params = [n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) in quantized]
     report.full_precision_bytes = sum(tensor_bytes(p) for p in lm.parameters() if id(p) not in quantized)
     hashed = [n for n, p in lm.named_parameters() if id(p) in quantized or n.endswith(f".{PRE_SCALE}")]
-    report.consistency = check_ranks_agree(lm, hashed, tp)  # AWQ's input pre-scales are part of the model
+    report.consistency = check_ranks_agree(lm, hashed, tp.tp.size if tp is not None else 1)  # pre-scales included
+    report.digest = whole_digest(lm, hashed, tp)
     for line in summary_lines(report):
         log.warning("%s", line)
     log.info(

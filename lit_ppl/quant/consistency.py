@@ -32,6 +32,47 @@ def digest(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def whole_digest(lm: nn.Module, names: list[str], tp: Any = None) -> str | None:
+    """SHA-256 of the quantized weights as one model, whatever the layout: per parameter of ``names`` (name-sorted)
+    its dequantized values and any input pre-scale, each over the whole tensor (``tp``: a
+    :class:`lit_ppl.quant.calibrated.split.TpView`, whose split parameters are gathered from the group's slices).
+    Dequantized values, not the inner tensors: a split tensor's group scales and codes would need a gather rule per
+    torchao layout, and the dequantized values (with the pre-scales) are what the layers compute with. A packing
+    torchao cannot dequantize (the CPU int4 prototypes) is hashed by its inner tensors, whole layers only: under
+    tensor parallelism the digest is then ``None``."""
+    params = dict(lm.named_parameters())
+    h = hashlib.sha256()
+    for name in sorted(n for n in names if n in params):
+        values = _values(params[name].detach())
+        if values is None:
+            if tp is not None:
+                return None
+            h.update(f"{name}|{digest(params[name])}|".encode())
+            continue
+        layer, _, leaf = name.rpartition(".")
+        for key, x in values.items():
+            if tp is not None:  # a weight split as its own parameter; an input scale along the layer's input columns
+                split = leaf == "weight" and key == "values"
+                x = tp.whole(name, x) if split else tp.whole(f"{layer}.weight", x, columns=True)
+            x = x.contiguous().cpu()
+            h.update(f"{name}|{key}|{x.dtype}|{tuple(x.shape)}|".encode())
+            h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _values(p: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """A parameter's dequantized values and torchao's input pre-scale, or ``None`` if torchao cannot dequantize it."""
+    if not hasattr(p, "__tensor_flatten__"):
+        return {"values": p}
+    try:
+        values = {"values": p.dequantize()}
+    except NotImplementedError:
+        return None
+    if getattr(p, "act_pre_scale", None) is not None:
+        values["act_pre_scale"] = p.act_pre_scale
+    return values
+
+
 def check_ranks_agree(lm: nn.Module, names: list[str], tp: int = 1) -> dict[str, Any]:
     """Hash every quantized parameter on every rank and compare; raise naming the modules that differ.
 

@@ -25,6 +25,7 @@ from lit_ppl.quant.schemes import Scheme, gptq_base_config, torchao_config
 
 if TYPE_CHECKING:
     from lit_ppl.config.quant import QuantConfig
+    from lit_ppl.quant.calibrated.stream import Where
     from lit_ppl.quant.calibrated.text import Calibration
     from lit_ppl.quant.targets import Target
 
@@ -97,10 +98,10 @@ class _Calibrated(Method, abc.ABC):
 
     @abc.abstractmethod
     def observe(
-        self, lm: nn.Module, layers: dict[str, Choice], calibration: Calibration, at: tuple[int, int], cfg: QuantConfig
+        self, lm: nn.Module, layers: dict[str, Choice], calibration: Calibration, at: Where, cfg: QuantConfig
     ) -> Statistics | None:
-        """Statistics of ``layers`` on the float model, reduced over the ranks of ``at = (rank, world size)``
-        (``None``: the method takes them while it quantizes)."""
+        """Statistics of ``layers`` on the float model, reduced over the data-parallel ranks of ``at`` (whole layers
+        under its tensor parallelism; ``None``: the method takes them while it quantizes)."""
 
     @abc.abstractmethod
     def quantize(
@@ -109,7 +110,7 @@ class _Calibrated(Method, abc.ABC):
         layers: dict[str, Choice],
         stats: Statistics | None,
         calibration: Calibration,
-        at: tuple[int, int],
+        at: Where,
         cfg: QuantConfig,
     ) -> dict[str, dict[str, Any]]:
         """Replace ``layers``' weights by their quantization from ``stats``; per layer, the facts for the report."""
@@ -155,12 +156,13 @@ class _Awq(_Calibrated):
     def observe(self, lm, layers, calibration, at, cfg):
         from lit_ppl.quant.calibrated.awq import awq_statistics
 
-        return awq_statistics(lm, {n: c.config()[0] for n, c in layers.items()}, calibration, *at)
+        return awq_statistics(lm, {n: c.config()[0] for n, c in layers.items()}, calibration, at.rank, at.size, at.tp)
 
     def quantize(self, lm, layers, stats, calibration, at, cfg):
         from lit_ppl.quant.calibrated.awq import apply_awq
 
-        return apply_awq(lm, {n: c.config()[0] for n, c in layers.items()}, stats, calibration.spec.config.grid)
+        configs = {n: c.config()[0] for n, c in layers.items()}
+        return apply_awq(lm, configs, stats, calibration.spec.config.grid, at.tp)
 
     def candidate(self, weight, choice, stats, cfg):
         from lit_ppl.quant.calibrated.awq import best_scale, quantize_weight
@@ -203,13 +205,13 @@ class _Gptq(_Calibrated):
             return None
         from lit_ppl.quant.calibrated.gptq import gptq_hessians
 
-        return gptq_hessians(lm, sorted(layers), calibration, *at)
+        return gptq_hessians(lm, sorted(layers), calibration, at.rank, at.size, at.tp)
 
     def quantize(self, lm, layers, stats, calibration, at, cfg):
         from lit_ppl.quant.calibrated.gptq import run_gptq
 
         configs = {n: (c.config()[0], c.kernel == "tinygemm") for n, c in layers.items()}
-        return run_gptq(lm, configs, calibration, *at, cfg.gptq, stats)
+        return run_gptq(lm, configs, calibration, at.rank, at.size, cfg.gptq, stats, at.tp)
 
     def candidate(self, weight, choice, stats, cfg):
         from lit_ppl.quant.calibrated.gptq import layer_gptq

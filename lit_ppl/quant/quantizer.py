@@ -46,7 +46,9 @@ class Quantizer:
 
     def quantize(self, lm: nn.Module, tp: Any = None, splits: Any = None, read: Any = None) -> QuantReport:
         """Quantize ``lm`` in place (this rank's tensor-parallel slices under ``tp``); the report."""
-        return quantize_model(lm, self.config, self.calibration, getattr(tp, "size", 1))
+        from lit_ppl.quant.calibrated.split import TpView
+
+        return quantize_model(lm, self.config, self.calibration, TpView(tp, splits or {}) if tp is not None else None)
 
     def __call__(self, lm: nn.Module) -> QuantReport:
         return self.quantize(lm)
@@ -94,15 +96,16 @@ def build(
 
 def check_layout(cfg: QuantConfig, layout: Any) -> None:
     """What quantization cannot do when the layout splits the model (:mod:`lit_ppl.parallel.layout`), refused at
-    once."""
+    once. Calibrated methods run under every layout (:mod:`lit_ppl.quant.calibrated.stream`: batches over the
+    data-parallel ranks, split layers observed and solved whole); ``quant=auto``'s sensitivity compares whole rows
+    of logits, which tensor parallelism splits over the vocabulary."""
     if cfg.name == "none" or not layout.sharded:
         return
-    method = calibrated_method(dataclasses.asdict(cfg))
-    if method is not None or cfg.name == "auto":
-        what = "quant=auto" if cfg.name == "auto" else f"quant.method={method}"
+    if cfg.name == "auto" and layout.tp > 1:
         raise LitPplError(
-            f"{what} with strategy layout {layout.kind}: calibration runs whole layers on every rank; "
-            "evaluate calibrated quantization with strategy=ddp (each rank holds the model)"
+            f"quant=auto with strategy layout {layout.kind}: its sensitivity measure compares whole rows of logits, "
+            "which tensor parallelism splits; choose the policy with strategy=fsdp (or ddp), then evaluate its "
+            "quant_policy.yaml as quant=policy under tensor parallelism"
         )
     if cfg.source == "rank0":
         raise LitPplError(

@@ -22,6 +22,7 @@ class QuantReport:
     full_precision_bytes: int = 0  # parameters left unquantized (norms, biases, skipped and excluded layers)
     converted: dict[str, str] = field(default_factory=dict)  # modules made nn.Linear first: name -> former class
     consistency: dict[str, Any] = field(default_factory=dict)
+    digest: str | None = None  # the quantized weights as one model, the same at any layout (lit_ppl.quant.consistency)
     calibration: dict[str, Any] | None = (
         None  # calibrated methods: the text, its tokens, the time (lit_ppl.quant.calibrated.text)
     )
@@ -62,6 +63,7 @@ class QuantReport:
             "converted": self.converted,
             "modules": self.modules,
             "consistency": self.consistency,
+            "digest": self.digest,
             "calibration": self.calibration,
             **({"auto": self.auto} if self.auto is not None else {}),
         }

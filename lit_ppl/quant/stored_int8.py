@@ -19,7 +19,8 @@ from torch import nn
 from lit_ppl.config.quant import QuantConfig, quant_config
 from lit_ppl.errors import LitPplError
 from lit_ppl.parallel.sharding import kept_region, local
-from lit_ppl.quant.consistency import check_ranks_agree
+from lit_ppl.quant.calibrated.split import TpView
+from lit_ppl.quant.consistency import check_ranks_agree, whole_digest
 from lit_ppl.quant.quantizer import Quantizer
 from lit_ppl.quant.report import QuantReport
 
@@ -77,6 +78,7 @@ def restore_int8(
     report = QuantReport(name=stored["name"], source="checkpoint")
     report.quantized_params = sorted(scales)
     report.consistency = check_ranks_agree(lm, report.quantized_params, getattr(tp, "size", 1))
+    report.digest = whole_digest(lm, report.quantized_params, TpView(tp, splits) if tp is not None else None)
     return report
 
 

@@ -124,6 +124,7 @@ RESULT_KEYS: tuple[ResultKey, ...] = (
     ResultKey("quant.converted", "dict", "projections converted to nn.Linear (GPT-2 Conv1D, FalconLinear)"),
     ResultKey("quant.modules", "dict", "per weight: the config applied or why none, its bytes before/after"),
     ResultKey("quant.consistency", "dict | null", "the ranks' hash check of the quantized tensors"),
+    ResultKey("quant.digest", "str | null", "digest of the dequantized weights, the same at any layout"),
     ResultKey("quant.calibration", "dict | null", "awq/gptq/auto: the calibration text, tokens, windows, seconds"),
     ResultKey("quant.auto", "dict", "quant=auto: budget, predicted and measured cost, bytes, rounds, choice"),
     ResultKey("reference_quant", "dict | null", "compare=unquantized: the reference's quantization (as quant)"),

@@ -33,17 +33,34 @@ def release_free_host_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+# Blocks from glibc's heap up to this size (mallopt M_MMAP_THRESHOLD); larger ones are mapped and unmapped.
+_heap_blocks_up_to = [32 << 20]
+GATHERED_HEAP_BLOCKS_UP_TO = 1 << 20  # under FSDP on CPU: see map_gathered_buffers
+
+
 def keep_freed_memory_in_heap() -> None:
     """Keep a step's freed activations in glibc's heap instead of unmapping them (a no-op elsewhere).
 
     Without it every CPU step faults its activations in again (benchmarks/README.md, "page faults per step").
-    Blocks up to 32 MB come from the heap and up to 64 MB of free heap stay mapped (mallopt's M_MMAP_THRESHOLD is
-    -3, M_TRIM_THRESHOLD -1).
+    Blocks up to 32 MB (1 MiB under :func:`map_gathered_buffers`) come from the heap and up to 64 MB of free heap
+    stay mapped (mallopt's M_MMAP_THRESHOLD is -3, M_TRIM_THRESHOLD -1).
     """
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to tune
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)
+        libc.mallopt(-3, _heap_blocks_up_to[0])
         libc.mallopt(-1, 64 << 20)
+
+
+def map_gathered_buffers() -> None:
+    """Blocks of 1 MiB and more from ``mmap``, returned to the OS when freed: for FSDP on CPU (a no-op elsewhere).
+
+    FSDP2 allocates each unit's all-gather buffers and unsharded parameters at every forward and frees them after
+    it; from glibc's heap, their interleaved sizes fragment it and the resident size grows by about 2.5 units per
+    unit, a whole model's worth over one forward (benchmarks/README.md, "memory per phase").
+    """
+    _heap_blocks_up_to[0] = GATHERED_HEAP_BLOCKS_UP_TO
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, GATHERED_HEAP_BLOCKS_UP_TO)
 
 
 def rank_peak_memory(device: Any) -> tuple[int, int]:

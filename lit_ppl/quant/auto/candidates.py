@@ -18,6 +18,7 @@ from torch import nn
 from lit_ppl.config.quant import QuantConfig
 from lit_ppl.errors import LitPplError
 from lit_ppl.quant.assign import assign, rules_from_cfg
+from lit_ppl.quant.calibrated.stream import Where
 from lit_ppl.quant.calibrated.text import Calibration
 from lit_ppl.quant.methods import RTN, Choice, Method, Statistics
 from lit_ppl.quant.schemes import Scheme
@@ -27,9 +28,7 @@ class Candidates:
     """Per layer and scheme of ``kinds``, what the layer would hold: built when asked (one layer at a time in
     memory) from the choices of the uniform scheme and the statistics of the float model."""
 
-    def __init__(
-        self, lm: nn.Module, cfg: QuantConfig, kinds: list[str], calibration: Calibration, at: tuple[int, int]
-    ) -> None:
+    def __init__(self, lm: nn.Module, cfg: QuantConfig, kinds: list[str], calibration: Calibration, at: Where) -> None:
         self.lm, self.cfg = lm, cfg
         self.choices: dict[str, dict[str, Choice]] = {}  # kind -> layer -> choice
         self.solved: dict[str, torch.Tensor] = {}  # the costly methods' tensors, built once

@@ -4,8 +4,9 @@
    ``quant.method``, with the group fallback; int8 by round-to-nearest), the calibrated ones from statistics
    reduced over the ranks (:mod:`lit_ppl.quant.auto.candidates`).
 2. Each candidate measured alone on the calibration text: the mean KL divergence from the float model and the
-   change in mean NLL (:class:`lit_ppl.quant.auto.sensitivity.Meter`), summed over the ranks in float64 with one
-   ``all_reduce``, so every rank holds the same numbers and makes the same choice (:mod:`lit_ppl.quant.auto.table`).
+   change in mean NLL (:class:`lit_ppl.quant.auto.sensitivity.Meter`), summed over the ranks in float64 in global
+   batch order (:func:`lit_ppl.quant.calibrated.stream.ordered_sum`), so every rank, at any world size, holds the
+   same numbers and makes the same choice (:mod:`lit_ppl.quant.auto.table`).
 3. The assignment with the fewest weight bytes whose summed cost stays within the budget: a multiple-choice
    knapsack solved by dynamic programming over the budget in 4,000 steps, each cost rounded up, so the
    prediction never exceeds the budget (:mod:`lit_ppl.quant.auto.budget`).
@@ -37,7 +38,7 @@ from lit_ppl.quant.auto.candidates import Candidates, installed
 from lit_ppl.quant.auto.policy import policy_node
 from lit_ppl.quant.auto.sensitivity import Meter
 from lit_ppl.quant.auto.table import Table, load_table, measure_layers
-from lit_ppl.quant.calibrated.stream import all_reduce, block_of
+from lit_ppl.quant.calibrated.stream import Where, block_of, ordered_sum
 from lit_ppl.quant.calibrated.text import Calibration
 from lit_ppl.quant.schemes import NONE
 
@@ -65,7 +66,13 @@ def unit_options(
 
 
 def _table(
-    lm: nn.Module, cfg: QuantConfig, candidates: Candidates, meter: Meter, kinds: list[str], fingerprint: dict, ws: int
+    lm: nn.Module,
+    cfg: QuantConfig,
+    candidates: Candidates,
+    meter: Meter,
+    kinds: list[str],
+    fingerprint: dict,
+    at: Where,
 ) -> tuple[Table, int]:
     """The sensitivity table (with the passes it took): none when no layer has a choice, reused, or measured."""
     if not any(len(u) > 1 for u in unit_options(lm, candidates, kinds, {}, "none" in cfg.schemes)):
@@ -73,7 +80,7 @@ def _table(
     if cfg.sensitivity:
         expected = {n: [k for k in kinds if candidates.scheme(n, k) is not None] for n in candidates.layers}
         return load_table(cfg.sensitivity, fingerprint, expected), 0
-    return measure_layers(lm, candidates, meter, kinds, ws)
+    return measure_layers(lm, candidates, meter, kinds, at)
 
 
 def _search(
@@ -142,20 +149,20 @@ def _check_quantizes(budget: Budget, quantized: dict[str, Any], layers: list[str
 
 
 def choose_policy(
-    lm: nn.Module, cfg: QuantConfig, calibration: Calibration, rank: int, world_size: int
+    lm: nn.Module, cfg: QuantConfig, calibration: Calibration, at: Where
 ) -> tuple[QuantConfig, dict[str, Any]]:
     """The ``quant=policy`` config that holds the fewest bytes within ``cfg``'s budget, and the facts for
-    ``results.json`` (``quant.auto``)."""
+    ``results.json`` (``quant.auto``); ``at``: this rank's share of the calibration batches."""
     t0 = time.perf_counter()
     budget = Budget.from_config(cfg)
     kinds = [k for k in cfg.schemes if k != "none"]
-    candidates = Candidates(lm, cfg, kinds, calibration, (rank, world_size))
+    candidates = Candidates(lm, cfg, kinds, calibration, at)
     layers = candidates.layers
     if not layers:
         raise LitPplError(f"quant=auto finds no linear layer that {', '.join(kinds)} can take in {type(lm).__name__}")
     lists = {b[0] for b in map(block_of, layers) if b is not None}
     chunk = auto_chunk("auto", lm.get_output_embeddings().weight.shape[0], CHUNK_BUDGET_MB, "compare")
-    meter = Meter(lm, calibration, rank, world_size, chunk, lists.pop() if len(lists) == 1 else None)
+    meter = Meter(lm, calibration, at.rank, at.size, chunk, lists.pop() if len(lists) == 1 else None)
     device = next(lm.parameters()).device
 
     def measured(quantized: dict[str, str]) -> float:
@@ -164,7 +171,7 @@ def choose_policy(
 
     def sums(quantized: dict[str, str]) -> torch.Tensor:
         with installed(lm, {n: candidates.weight(n, k) for n, k in quantized.items()}):
-            return all_reduce(meter.measure().to(device), world_size).cpu()
+            return ordered_sum(meter.measure().to(device), at).cpu()
 
     base = sums({})
     fingerprint = {
@@ -176,7 +183,7 @@ def choose_policy(
         "nll": float(base[2] / base[3]),  # the float model's mean NLL on the calibration text: model, text, dtype
     }
     t1 = time.perf_counter()
-    table, passes = _table(lm, cfg, candidates, meter, kinds, fingerprint, world_size)
+    table, passes = _table(lm, cfg, candidates, meter, kinds, fingerprint, at)
     t2 = time.perf_counter()
     options = unit_options(lm, candidates, kinds, table, "none" in cfg.schemes)
     _check_reachable(budget, layers, options, cfg, bool(cfg.sensitivity and table))

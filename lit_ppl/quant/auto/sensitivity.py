@@ -3,7 +3,8 @@
 :class:`Meter` holds the float model's final hidden states for this rank's calibration batches (the reference, as
 a comparison run holds the reference model's) and measures any variant of the model against them with
 :func:`lit_ppl.metrics.kl.token_stats` — the comparison's own per-token statistics, in float64 — returning
-``(Σ KLD, Σ NLL, Σ NLL of the float model, tokens)`` over this rank's tokens; the caller sums them over the ranks.
+``(Σ KLD, Σ NLL, Σ NLL of the float model, tokens)`` per batch of this rank; the caller sums them over the ranks in
+global batch order.
 
 A variant that differs only in decoder block ``b`` and later gives the same inputs to block ``b``, so
 :meth:`Meter.measure` ``(start=b)`` replays the float output of block ``b - 1`` (kept per batch by
@@ -73,7 +74,7 @@ class Meter:
         chunk_size: int,
         blocks: str | None,
     ) -> None:
-        self.lm, self.chunk_size = lm, chunk_size
+        self.lm, self.chunk_size, self.steps = lm, chunk_size, calibration.steps(world_size)
         self.decoder, head = decoder_and_head(lm)
         device = next(lm.parameters()).device
         self.batches = []
@@ -157,19 +158,20 @@ class Meter:
         return hidden.shape == ref.shape and float((hidden - ref).abs().max()) <= REPLAY_TOLERANCE * scale
 
     def measure(self, start: int | None = None) -> torch.Tensor:
-        """``(Σ KLD, Σ NLL, Σ NLL of the float model, tokens)`` (float64) of the model as it is now, over this
-        rank's calibration tokens; ``start``: the first block it differs in, to which the probe was advanced
-        (``None``: any, a whole forward)."""
+        """``(Σ KLD, Σ NLL, Σ NLL of the float model, tokens)`` (float64) of the model as it is now, one row per
+        step of this rank's calibration batches (zeros past its last: summed over the ranks in global batch order by
+        :func:`lit_ppl.quant.calibrated.stream.ordered_sum`); ``start``: the first block it differs in, to which the
+        probe was advanced (``None``: any, a whole forward)."""
         replay = self.replay and start is not None
         if replay and start != self.at:
             raise AssertionError(f"measure(start={start}) after advance({self.at}): a bug")
-        sums = torch.zeros(4, dtype=torch.float64)
+        sums = torch.zeros(self.steps, 4, dtype=torch.float64)
         with self._replaying(self.at if replay else 0), torch.no_grad():
             for k, (input_ids, real, targets) in enumerate(self.batches):
                 self.box[0] = self.kept[k] if replay and self.at else None
                 hidden = self._hidden(input_ids, real)
                 st = token_stats(hidden, self.reference[k], targets, self.head, self.head_base, self.chunk_size)
                 parts = [st["kld"].sum(), st["nll"].sum(), st["nll_base"].sum()]
-                sums[:3] += torch.stack(parts).cpu()
-                sums[3] += targets.numel()
+                sums[k, :3] = torch.stack(parts).cpu()
+                sums[k, 3] = targets.numel()
         return sums

@@ -14,7 +14,7 @@ from torch import nn
 from lit_ppl.errors import LitPplError
 from lit_ppl.quant.auto.candidates import Candidates, installed
 from lit_ppl.quant.auto.sensitivity import Meter
-from lit_ppl.quant.calibrated.stream import all_reduce, block_of
+from lit_ppl.quant.calibrated.stream import Where, block_of, ordered_sum
 
 log = logging.getLogger(__name__)
 
@@ -22,12 +22,12 @@ Table = dict[str, dict[str, dict[str, float]]]  # layer -> scheme -> {"kld", "nl
 
 
 def measure_layers(
-    lm: nn.Module, candidates: Candidates, meter: Meter, kinds: list[str], world_size: int
+    lm: nn.Module, candidates: Candidates, meter: Meter, kinds: list[str], at: Where
 ) -> tuple[Table, int]:
     """Every candidate alone against the float model: ``{layer: {scheme: {kld, nll_delta}}}`` (means over the
     calibration tokens of every rank) and the number of passes."""
     layers = candidates.layers
-    local = torch.zeros(len(layers), len(kinds), 4, dtype=torch.float64)
+    local = torch.zeros(meter.steps, len(layers), len(kinds), 4, dtype=torch.float64)
     passes, t0, last = 0, time.perf_counter(), None
     for u, name in enumerate(layers):
         where = block_of(name)
@@ -45,9 +45,9 @@ def measure_layers(
         for j, kind in enumerate(kinds):
             if candidates.scheme(name, kind) is not None:
                 with installed(lm, {name: candidates.weight(name, kind)}):
-                    local[u, j] = meter.measure(where[1] if where else None)
+                    local[:, u, j] = meter.measure(where[1] if where else None)
                 passes += 1
-    sums = all_reduce(local.to(next(lm.parameters()).device), world_size).cpu()
+    sums = ordered_sum(local.to(next(lm.parameters()).device), at).cpu()
     table = {
         name: {
             kind: {

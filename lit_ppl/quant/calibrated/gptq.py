@@ -1,8 +1,10 @@
 """GPTQ across ranks: the Hessians summed over them, then each layer's quantization, optionally block by block.
 
 GPTQ needs one statistic per layer, the Hessian ``H ∝ XᵀX`` of its inputs: accumulated as a float64 ``in × in``
-sum and a token count, one ``all_reduce`` each (torchao's observer would keep a float32 ``H`` per layer and know
-nothing of ranks). The quantization itself is :mod:`lit_ppl.quant.calibrated.gptq_solver` (plain torch ops, any
+sum and a token count, summed over the ranks in global batch order (:class:`lit_ppl.quant.calibrated.stream.Sums`;
+torchao's observer would keep a float32 ``H`` per layer and know nothing of ranks); under tensor parallelism the
+whole layer's (:mod:`lit_ppl.quant.calibrated.split`).
+The quantization itself is :mod:`lit_ppl.quant.calibrated.gptq_solver` (plain torch ops, any
 device: the codes of torchao's ``IntxUnpackedToInt8Tensor``/``Int8Tensor``), or torchao's ``gptq_quantize`` for the CUDA
 ``Int4Tensor`` of the tinygemm backend (CUDA only: torchao 0.18 asserts a CUDA weight). By default, like torchao's,
 every layer's ``H`` comes from the float model in one pass; ``quant.gptq.sequential`` calibrates each decoder block
@@ -20,7 +22,8 @@ from torch import nn
 from lit_ppl.config.quant import GptqConfig
 from lit_ppl.errors import LitPplError
 from lit_ppl.quant.calibrated.gptq_solver import gptq_tensor
-from lit_ppl.quant.calibrated.stream import all_reduce, block_of, layer_statistics, stream
+from lit_ppl.quant.calibrated.split import TpView
+from lit_ppl.quant.calibrated.stream import Where, block_of, layer_statistics, stream
 from lit_ppl.quant.calibrated.text import Calibration
 
 
@@ -38,10 +41,12 @@ def gptq_hessians(
     calibration: Calibration,
     rank: int,
     world_size: int,
+    tp: TpView | None = None,
     stop: nn.Module | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Per layer ``xtx = Σ xᵀx`` (float64, ``(in, in)``) and ``count`` (int64 tokens) over this rank's calibration
-    batches, then summed over the ranks: every rank holds the whole calibration set's numbers, bit for bit.
+    """Per layer ``xtx = Σ xᵀx`` (float64, ``(in, in)`` of the whole layer: ``tp`` gathers a row-parallel layer's
+    input) and ``count`` (int64 tokens) over the data-parallel ranks' calibration batches (``rank`` of
+    ``world_size``), summed in global batch order: every rank holds the whole set's numbers, at any world size.
 
     One pass through the float model (torchao's default, non-sequential GPTQ: every layer observes float inputs).
     Memory is one ``in × in`` float64 matrix per layer, whatever the number of calibration tokens.
@@ -50,29 +55,22 @@ def gptq_hessians(
         lm,
         names,
         calibration,
-        rank,
-        world_size,
+        Where(rank, world_size, tp),
         lambda w: {"xtx": torch.zeros(w.shape[1], w.shape[1], dtype=torch.float64, device=w.device)},
     )
 
     def observe(name: str) -> Callable[[nn.Module, tuple], None]:
         def hook(module: nn.Module, args: tuple) -> None:
-            x = args[0][real_box[0]].to(torch.float64)  # (tokens, in): padding positions left out
-            # float32 × float32 products are exact in float64; only the sums round.
-            stats[name]["xtx"].addmm_(x.T, x)
-            stats[name]["count"] += x.shape[0]
+            x = args[0][real_box[0]]  # (tokens, in): padding positions left out
+            x = (x if tp is None else tp.whole_input(name, x)).to(torch.float64)
+            # float32 × float32 products are exact in float64; only the sums round (one batch's alone, then in order).
+            stats.add(name, "xtx", x.T @ x)
+            stats.add(name, "count", torch.tensor(x.shape[0], device=x.device))
 
         return hook
 
-    stream(lm, modules, observe, calibration, batches, real_box, stop)
-    # One all_reduce per layer (in the same order on every rank): every rank receives the same reduced bits.
-    # Not one flat tensor: that would hold a second copy of every layer's Hessian at once.
-    for st in stats.values():
-        all_reduce(st["xtx"], world_size)
-    counts = all_reduce(torch.stack([st["count"] for st in stats.values()]), world_size)
-    for st, count in zip(stats.values(), counts, strict=True):
-        st["count"] = count
-    return stats
+    stream(lm, modules, observe, calibration, batches, real_box, stats, stop)
+    return stats.total
 
 
 def gptq_weight(xtx: torch.Tensor, count: int, weight: torch.Tensor, base_config: Any) -> torch.Tensor:
@@ -99,26 +97,38 @@ def quantize_layers(
     configs: dict[str, tuple[Any, bool]],
     hessians: dict[str, dict[str, torch.Tensor]],
     opts: GptqConfig,
+    tp: TpView | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Replace each layer of ``configs`` (name → (torchao config, whether torchao's own CUDA GPTQ runs it)) by its
     GPTQ quantization from the reduced ``hessians`` (:func:`gptq_hessians`); returns per-layer facts."""
     chosen: dict[str, dict[str, Any]] = {}
     for name, (config, torchao) in configs.items():
         mod = lm.get_submodule(name)
-        weight, chosen[name] = layer_gptq(hessians[name], mod.weight, config, torchao, opts)
+        weight, chosen[name] = layer_gptq(hessians[name], mod.weight, config, torchao, opts, tp, name)
         mod.weight = nn.Parameter(weight, requires_grad=False)
     return chosen
 
 
 def layer_gptq(
-    st: dict[str, torch.Tensor], weight: torch.Tensor, config: Any, torchao: bool, opts: GptqConfig
+    st: dict[str, torch.Tensor],
+    weight: torch.Tensor,
+    config: Any,
+    torchao: bool,
+    opts: GptqConfig,
+    tp: TpView | None = None,
+    name: str = "",
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """One layer's GPTQ tensor from its reduced statistics ``st`` (``xtx``, ``count``), by torchao's CUDA GPTQ or
-    lit-ppl's solver, and the facts for the report."""
+    lit-ppl's solver, and the facts for the report; ``tp``: ``weight`` is this rank's slice of layer ``name``."""
     facts: dict[str, Any] = {"gptq_tokens": int(st["count"])}
     if torchao:
+        if tp is not None and tp.split_of(f"{name}.weight") is not None:
+            raise LitPplError(
+                f"{name}: torchao's CUDA GPTQ (tinygemm int4) solves one whole weight; under tensor parallelism "
+                "use quant.backend=intx (lit-ppl's GPTQ solves the whole layer and keeps each rank's slice)"
+            )
         return gptq_weight(st["xtx"], int(st["count"]), weight, config), facts
-    tensor, more = gptq_tensor(st["xtx"], weight, config, opts)
+    tensor, more = gptq_tensor(st["xtx"], weight, config, opts, tp, name)
     return tensor, {**facts, **more}
 
 
@@ -143,17 +153,18 @@ def run_gptq(
     world_size: int,
     opts: GptqConfig,
     hessians: dict[str, dict[str, torch.Tensor]] | None = None,
+    tp: TpView | None = None,
 ) -> dict[str, dict[str, Any]]:
     """GPTQ of every layer of ``configs``: from ``hessians`` of the float model (one pass, computed here if not
     given), or ``opts.sequential``: block by block, each block's Hessians from a pass through the blocks before it
     already quantized (the pass stops after the block). Every rank reduces the same sums, so holds the same weights."""
     if not opts.sequential:
         hessians = (
-            hessians if hessians is not None else gptq_hessians(lm, sorted(configs), calibration, rank, world_size)
+            hessians if hessians is not None else gptq_hessians(lm, sorted(configs), calibration, rank, world_size, tp)
         )
-        return quantize_layers(lm, configs, hessians, opts)
+        return quantize_layers(lm, configs, hessians, opts, tp)
     chosen: dict[str, dict[str, Any]] = {}
     for block, names in blocks(lm, list(configs)):
-        h = gptq_hessians(lm, names, calibration, rank, world_size, stop=block)
-        chosen.update(quantize_layers(lm, {n: configs[n] for n in names}, h, opts))
+        h = gptq_hessians(lm, names, calibration, rank, world_size, tp, stop=block)
+        chosen.update(quantize_layers(lm, {n: configs[n] for n in names}, h, opts, tp))
     return chosen

@@ -30,6 +30,7 @@ import torch
 
 from lit_ppl.config.quant import GptqConfig
 from lit_ppl.errors import LitPplError
+from lit_ppl.quant.calibrated.split import TpView
 
 
 def grid_of(config: Any, weight: torch.Tensor) -> tuple[int, int, int]:
@@ -51,10 +52,42 @@ def codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmin: int, q
 
 
 def gptq_tensor(
-    xtx: torch.Tensor, weight: torch.Tensor, config: Any, opts: GptqConfig
+    xtx: torch.Tensor, weight: torch.Tensor, config: Any, opts: GptqConfig, tp: TpView | None = None, name: str = ""
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """GPTQ of ``weight`` (``(out, in)``) for torchao ``config`` from ``xtx = Σ xᵀx`` (float64); returns torchao's
-    tensor holding the GPTQ codes, and facts for the report."""
+    tensor holding the GPTQ codes, and facts for the report. ``tp``: ``weight`` is this rank's slice of layer
+    ``name``: the whole layer is solved (every rank alike: each column's error feeds its whole row) and the slice's
+    codes kept."""
+    from lit_ppl.quant.calibrated.awq import quantize_weight
+
+    param = f"{name}.weight"
+    if tp is None or tp.split_of(param) is None:
+        ref, Q, scale, zero, facts = _solve(xtx, weight, config, opts)
+        return with_codes(ref, Q, scale, zero), facts
+    _, Q, scale, zero, facts = _solve(xtx, tp.whole(param, weight), config, opts)
+    if tp.rowwise(name):
+        cols = tp.columns(name, Q.shape[1])
+        g = Q.shape[1] // scale.shape[1]
+        groups = slice(cols.start // g, cols.stop // g) if scale.shape[1] > 1 else slice(0, 1)  # per row: whole row's
+        Q, scale, zero = Q[:, cols], scale[:, groups], zero[:, groups]
+    else:
+        Q, scale, zero = (tp.local(param, t) for t in (Q, scale, zero))
+    return with_codes(quantize_weight(weight.detach(), config), Q, scale, zero), facts
+
+
+def with_codes(ref: torch.Tensor, Q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """torchao's tensor ``ref`` holding the codes ``Q`` with their ``scale`` and ``zero`` point (per row, group)."""
+    ref.qdata = Q.contiguous().reshape(ref.qdata.shape)
+    ref.scale = scale.contiguous().reshape(ref.scale.shape)
+    ref.zero_point = zero.contiguous().reshape(ref.zero_point.shape)
+    return ref
+
+
+def _solve(
+    xtx: torch.Tensor, weight: torch.Tensor, config: Any, opts: GptqConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """GPTQ's codes ``(out, in)`` of ``weight``, its scales and zero points ``(out, groups)``, torchao's
+    round-to-nearest tensor they replace, and the facts."""
     from lit_ppl.quant.calibrated.awq import quantize_weight
 
     out_f, in_f = weight.shape
@@ -102,7 +135,5 @@ def gptq_tensor(
             W1[:, i:] -= err[:, None] * U[i1 + i, i1 + i : i2][None, :]
             E1[:, i] = err
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
-    Q = Q[:, torch.argsort(perm)]
-    ref.qdata = Q.reshape(ref.qdata.shape)
-    ref.scale, ref.zero_point = scale.reshape(ref.scale.shape), zero.reshape(ref.zero_point.shape)
-    return ref, {"gptq_dead_inputs": int(dead.sum()), "gptq_act_order": opts.act_order}
+    facts = {"gptq_dead_inputs": int(dead.sum()), "gptq_act_order": opts.act_order}
+    return ref, Q[:, torch.argsort(perm)], scale, zero, facts

@@ -1,58 +1,140 @@
 """Streaming the calibration windows through the float model with hooks that accumulate fixed-size statistics.
 
 A calibrated method (:mod:`lit_ppl.quant.calibrated.awq`, :mod:`lit_ppl.quant.calibrated.gptq`) registers a forward
-pre-hook per observed layer (:func:`stream`), streams this rank's share of the calibration batches
-(:meth:`lit_ppl.quant.calibrated.text.Calibration.batches`), and sums its statistics over the ranks with one
-``all_reduce`` each (:func:`all_reduce`), so every rank holds the numbers of the whole calibration set and memory
+pre-hook per observed layer (:func:`stream`), streams this data-parallel rank's share of the calibration batches
+(:meth:`lit_ppl.quant.calibrated.text.Calibration.batches`: global batch ``g`` on rank ``g mod D``) and sums its
+statistics over the ranks in :class:`Sums`, so every rank holds the numbers of the whole calibration set and memory
 does not grow with it.
 
-Why float64 ``all_reduce`` and not :mod:`lit_ppl.metrics.exact`'s fixed-point sums: at one world size every rank
-receives the same reduced bits (one collective, identical ranks' inputs in a fixed order), which is what makes
-the ranks' weights identical, and :func:`lit_ppl.quant.consistency.check_ranks_agree` proves it by hash. Across
-world sizes the sums are associated differently and may differ in the last bits (relative ~1e-16); the fixed-point
-representation would remove that but needs every value below ``2^22`` and resolves ``2^-40`` absolutely, which
-activations with outliers (``x²`` sums in the millions) and small channels both break, and it costs a per-term
-conversion where ``XᵀX`` is one matmul. The AWQ choice (an argmin) and the int8/int4 rounding after it are
-insensitive to such last-bit differences except at exact ties; the 1/2/3-rank tests check the hashes.
+Why the sums do not depend on the number of ranks: each batch's float64 partial is computed alone (the same
+windows, the same kernels, one thread per rank in deterministic mode: the same bits at any world size), and after
+every step the ranks' partials of that step are gathered and added in global batch order, so the total is
+``((p₀ + p₁) + p₂) + …`` whether one process or ``D`` ranks computed the ``pᵢ``. :mod:`lit_ppl.metrics.exact`'s
+fixed-point sums would also be order-free but need every value below ``2^22`` and resolve ``2^-40`` absolutely,
+which activations with outliers (``x²`` sums in the millions) and small channels both break. Under tensor
+parallelism each layer is observed whole (:mod:`lit_ppl.quant.calibrated.split`): the ranks of a group hold the
+same partials, and the first rank of each group stands for it.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from lit_ppl.model.scorer import decoder_and_head
+from lit_ppl.quant.calibrated.split import TpView
 from lit_ppl.quant.calibrated.text import Calibration
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where calibration runs: this rank's data-parallel ``rank`` of ``size`` (each a share of the batches) and its
+    tensor-parallel view (``None``: each rank holds whole layers)."""
+
+    rank: int = 0
+    size: int = 1
+    tp: TpView | None = None
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.tp.size if self.tp is not None else 1
+
+
+class Sums:
+    """Per layer, float64 statistics (and int64 counts) summed over every data-parallel rank's batches in global
+    batch order: a hook :meth:`add` s one batch's value, :meth:`step` adds the ranks' values of the step in order."""
+
+    def __init__(self, where: Where, total: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.where, self.total = where, total
+        self.partial = (
+            {n: {k: torch.zeros_like(v) for k, v in st.items()} for n, st in total.items()} if where.size > 1 else None
+        )
+
+    def __getitem__(self, name: str) -> dict[str, torch.Tensor]:
+        return self.total[name]
+
+    def add(self, name: str, key: str, value: torch.Tensor, index: int | None = None) -> None:
+        """Add one batch's ``value`` (computed alone) to ``name``'s ``key`` (element ``index``)."""
+        into = (self.partial or self.total)[name][key]
+        if index is None:
+            into += value
+        else:
+            into[index] += value
+
+    def add_keys(self, keys: dict[str, dict[str, torch.Tensor]]) -> None:
+        """New statistics, zeroed, for the next pass (``name -> key -> zeros``)."""
+        for name, st in keys.items():
+            self.total[name].update(st)
+            if self.partial is not None:
+                self.partial[name].update({k: torch.zeros_like(v) for k, v in st.items()})
+
+    def step(self) -> None:
+        """Every rank's partials of this step added to the totals, in data-parallel rank order (collective)."""
+        if self.partial is None:
+            return
+        import torch.distributed as dist
+
+        world, every = self.where.size * self.where.tp_size, self.where.tp_size
+        for name, st in self.partial.items():
+            for key, part in st.items():
+                parts = [torch.empty_like(part) for _ in range(world)]
+                dist.all_gather(parts, part)
+                total = self.total[name][key]
+                for d in range(self.where.size):  # global batch order: step·D + d
+                    total += parts[d * every]
+                part.zero_()
 
 
 def layer_statistics(
     lm: nn.Module,
     names: list[str],
     calibration: Calibration,
-    rank: int,
-    world_size: int,
+    where: Where,
     sums: Callable[[torch.Tensor], dict[str, torch.Tensor]],
-) -> tuple[dict[str, nn.Module], list[list[int]], list[torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+) -> tuple[dict[str, nn.Module], list[list[int]], list[torch.Tensor], Sums]:
     """What a calibrated method's pass starts from: the observed layers, this rank's calibration batches, the box
-    its hooks read the real-position mask from, and per layer the zeroed ``sums(weight)`` plus a token ``count``."""
+    its hooks read the real-position mask from, and per layer the zeroed ``sums(whole weight's shape)`` plus a
+    token ``count``."""
     modules = {n: lm.get_submodule(n) for n in names}
     stats = {
-        name: {**sums(mod.weight), "count": torch.zeros((), dtype=torch.int64, device=mod.weight.device)}
+        name: {**sums(_whole_shape(mod, name, where)), "count": torch.zeros((), dtype=torch.int64, device=_dev(mod))}
         for name, mod in modules.items()
     }
-    return modules, calibration.batches(rank, world_size), [torch.ones(0)], stats
+    return modules, calibration.batches(where.rank, where.size), [torch.ones(0)], Sums(where, stats)
 
 
-def all_reduce(t: torch.Tensor, world_size: int) -> torch.Tensor:
-    if world_size > 1:
+def _dev(mod: nn.Module) -> torch.device:
+    return mod.weight.device
+
+
+def _whole_shape(mod: nn.Module, name: str, where: Where) -> torch.Tensor:
+    """A meta tensor of the layer's whole weight's shape (its split undone), on the weight's device for zeros."""
+    w = mod.weight
+    shape = list(w.shape)
+    if where.tp is not None and where.tp.rowwise(name):
+        shape[1] = mod.full_in_features
+    return torch.empty(shape, dtype=w.dtype, device=w.device)
+
+
+def ordered_sum(rows: torch.Tensor, where: Where) -> torch.Tensor:
+    """``Σ`` over dim 0 of every data-parallel rank's ``rows`` (row ``k``: its batch of step ``k``, zeros past its
+    last), in global batch order: the same bits at any world size (collective over every rank)."""
+    parts = [rows]
+    if where.size * where.tp_size > 1:
         import torch.distributed as dist
 
-        dist.all_reduce(t)
-    return t
+        parts = [torch.empty_like(rows) for _ in range(where.size * where.tp_size)]
+        dist.all_gather(parts, rows.contiguous())
+    total = torch.zeros_like(rows[0])
+    for k in range(rows.shape[0]):
+        for d in range(where.size):
+            total += parts[d * where.tp_size][k]
+    return total
 
 
 class Stop(Exception):
@@ -72,21 +154,33 @@ def block_of(name: str) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
-def _run(lm: nn.Module, calibration: Calibration, batches: list[list[int]], real_box: list[torch.Tensor]) -> None:
-    """Stream ``batches`` through the float model; hooks read ``real_box[0]``, the mask of real positions."""
+def _run(
+    lm: nn.Module, calibration: Calibration, batches: list[list[int]], real_box: list[torch.Tensor], sums: Sums
+) -> None:
+    """Stream ``batches`` through the float model; hooks read ``real_box[0]``, the mask of real positions. Every
+    data-parallel rank takes the same number of steps (a rank past its last batch adds nothing): each ends with
+    :meth:`Sums.step`."""
     decoder, head = decoder_and_head(lm)
     device = next(lm.parameters()).device
     with torch.no_grad():
-        for ids in batches:
-            input_ids, real = calibration.batch(ids, device)
-            real_box[0] = real
-            try:
-                out = decoder(input_ids=input_ids, use_cache=False)
-            except Stop:
-                continue
-            hidden = out[0] if isinstance(out, tuple) else getattr(out, "last_hidden_state", out)
-            if getattr(head, "_lit_ppl_awq", False):  # the head's input only matters when the head is calibrated
-                head(hidden)
+        for k in range(calibration.steps(sums.where.size)):
+            if k < len(batches):
+                _forward(decoder, head, calibration, batches[k], device, real_box)
+            sums.step()
+
+
+def _forward(
+    decoder: nn.Module, head: nn.Module, calibration: Calibration, ids: list[int], device: torch.device, box: list
+) -> None:
+    input_ids, real = calibration.batch(ids, device)
+    box[0] = real
+    try:
+        out = decoder(input_ids=input_ids, use_cache=False)
+    except Stop:
+        return
+    hidden = out[0] if isinstance(out, tuple) else getattr(out, "last_hidden_state", out)
+    if getattr(head, "_lit_ppl_awq", False):  # the head's input only matters when the head is calibrated
+        head(hidden)
 
 
 def stream(
@@ -96,10 +190,11 @@ def stream(
     calibration: Calibration,
     batches: list[list[int]],
     real_box: list[torch.Tensor],
+    sums: Sums,
     stop: nn.Module | None = None,
 ) -> None:
-    """One pass of ``batches`` with the pre-hook ``make(name)`` on every module of ``modules``; ``stop``: a module
-    after whose forward each batch's pass ends (nothing after it is observed)."""
+    """One pass of ``batches`` with the pre-hook ``make(name)`` on every module of ``modules``, their values summed
+    in ``sums``; ``stop``: a module after whose forward each batch's pass ends (nothing after it is observed)."""
     handles = [mod.register_forward_pre_hook(make(name)) for name, mod in modules.items()]
     if stop is not None:
         handles.append(stop.register_forward_hook(_stop_hook))
@@ -108,7 +203,7 @@ def stream(
     if marked:
         head._lit_ppl_awq = True
     try:
-        _run(lm, calibration, batches, real_box)
+        _run(lm, calibration, batches, real_box, sums)
     finally:
         for h in handles:
             h.remove()

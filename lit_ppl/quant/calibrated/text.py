@@ -2,8 +2,8 @@
 
 The text is read like ``data`` (:mod:`lit_ppl.data.sources`) into the token store and cut into ``block`` windows
 (:mod:`lit_ppl.data.windows`), batched once independently of the world size
-(:func:`lit_ppl.data.sampler.plan_batches` with ``deterministic=True``) and shared out over the ranks like
-evaluation windows; :mod:`lit_ppl.quant.calibrated.stream` runs a method's share through the model.
+(:func:`lit_ppl.data.sampler.global_batches`) and dealt out over the data-parallel ranks in turn;
+:mod:`lit_ppl.quant.calibrated.stream` runs a method's share through the model.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from lit_ppl.config.quant import CalibrationConfig
 from lit_ppl.config.schema import DistributedConfig
-from lit_ppl.data.sampler import PAD, plan_batches
+from lit_ppl.data.sampler import global_batches
 from lit_ppl.data.sources import DataSpec
 from lit_ppl.data.store import Corpus, prepare
 from lit_ppl.data.windows import Windows, build_windows
@@ -110,9 +110,14 @@ class Calibration:
         return int(self.windows.lengths.sum())
 
     def batches(self, rank: int, world_size: int) -> list[list[int]]:
-        """This rank's batches of window ids: formed once for every world size, whole batches per rank."""
-        plan = plan_batches(self.windows.lengths, world_size, self.spec.config.batch_size, deterministic=True)
-        return [b for b in plan[rank] if b != [PAD]]
+        """This rank's batches of window ids: formed once for every world size, global batch ``g`` on rank
+        ``g mod world_size`` (its step ``g // world_size``), so that the ranks' partial sums of one step, added in
+        rank order, follow the global batch order (:class:`lit_ppl.quant.calibrated.stream.Sums`)."""
+        return global_batches(self.windows.lengths, self.spec.config.batch_size)[rank::world_size]
+
+    def steps(self, world_size: int) -> int:
+        """How many steps every rank takes (the most batches a rank has)."""
+        return len(self.batches(0, world_size))
 
     def batch(self, ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids (b, t), real (b, t) bool)``, right-padded: a causal model's real positions never see padding."""

@@ -1,0 +1,84 @@
+"""Calibration under tensor parallelism: a split layer's whole input and weight for its statistics and its solve,
+and this rank's slice of what was solved on the whole layer.
+
+A layer split by :func:`lit_ppl.parallel.tensor_parallel.parallelize` holds a block of output rows (column-parallel,
+its input whole) or a block of input columns (row-parallel, its input a slice of the features). AWQ's scales and
+GPTQ's Hessians are statistics of the whole input and GPTQ feeds each column's rounding error into the other
+columns of the whole row, so a calibrated layer is observed and solved whole, identically on every rank of the
+group (the gathers are the group's own collectives), and each rank keeps its slice: the quantized model is the one
+a single process would build, up to the split matmuls' rounding of the activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lit_ppl.parallel.tensor_parallel import Group, split_sizes
+
+Split = int | tuple[int, int, int]  # parallelize's split of a parameter: a dim, or (dim, parts, index) for a KV head
+
+
+def _parts(t: torch.Tensor, dim: int, tp: Group) -> list[torch.Tensor]:
+    """Every rank's ``t`` (their sizes along ``dim`` may differ), in group rank order."""
+    t = t.detach().contiguous()
+    sizes = [torch.zeros((), dtype=torch.long, device=t.device) for _ in range(tp.size)]
+    dist.all_gather(sizes, torch.tensor(t.shape[dim], device=t.device), group=tp.group)
+    longest = max(int(s) for s in sizes)
+    pad = list(t.shape)
+    pad[dim] = longest - t.shape[dim]
+    padded = torch.cat([t, t.new_zeros(pad)], dim=dim) if pad[dim] else t
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=tp.group)
+    return [p.narrow(dim, 0, int(n)) for p, n in zip(parts, sizes, strict=True)]
+
+
+@dataclass
+class TpView:
+    """This rank's tensor-parallel group and ``splits`` (parameter name -> :data:`Split`) as calibration sees them."""
+
+    tp: Group
+    splits: dict[str, Any] = field(default_factory=dict)
+
+    def split_of(self, param: str) -> Split | None:
+        return self.splits.get(param)
+
+    def rowwise(self, layer: str) -> bool:
+        """Whether ``layer`` holds a block of input columns (its input is then a slice of the features)."""
+        return self.split_of(f"{layer}.weight") == 1
+
+    def whole_input(self, layer: str, x: torch.Tensor) -> torch.Tensor:
+        """The layer's input over all its features (``x``: ``(tokens, features of this rank)``)."""
+        return torch.cat(_parts(x, x.dim() - 1, self.tp), dim=-1) if self.rowwise(layer) else x
+
+    def whole(self, param: str, t: torch.Tensor, columns: bool = False) -> torch.Tensor:
+        """The whole of a parameter split as ``param`` is, from every rank's slice (``t`` itself if not split);
+        ``columns``: ``t`` is per input column of the weight ``param`` (an input scale): gathered only where the
+        weight's input columns are split."""
+        how = self.split_of(param)
+        if columns:
+            return torch.cat(_parts(t, 0, self.tp)) if how == 1 else t
+        if how is None:
+            return t
+        dim, parts, _ = (how, 0, 0) if isinstance(how, int) else how
+        pieces = _parts(t, dim, self.tp)
+        if parts:  # a replicated KV head: each part is held by tp / parts consecutive ranks
+            pieces = pieces[:: self.tp.size // parts]
+        return torch.cat(pieces, dim=dim)
+
+    def local(self, param: str, whole: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+        """This rank's slice of ``whole``, split as ``param`` is, along ``dim`` of ``whole`` (default: the split's)."""
+        how = self.split_of(param)
+        if how is None:
+            return whole
+        split_dim, parts, index = (how, self.tp.size, self.tp.rank) if isinstance(how, int) else how
+        return whole.tensor_split(parts, split_dim if dim is None else dim)[index]
+
+    def columns(self, layer: str, in_features: int) -> slice:
+        """This rank's input columns of a row-parallel ``layer`` whose whole input has ``in_features``."""
+        sizes = split_sizes(in_features, self.tp.size)
+        start = sum(sizes[: self.tp.rank])
+        return slice(start, start + sizes[self.tp.rank])
