@@ -21,7 +21,7 @@ from typing import Any
 
 from lit_ppl.report.results import quant_name
 from lit_ppl.report.summary import noise_floor_rows
-from lit_ppl.report.svg import bar_chart, line_chart, points_chart
+from lit_ppl.report.svg import bar_chart, label, line_chart, points_chart
 from lit_ppl.runtime.files import write_text_atomic
 
 POSITION_BINS = 128  # a longer window's positions are averaged in this many bins
@@ -143,7 +143,8 @@ def histogram_section(c: dict[str, Any]) -> str:
     if not h or not h["counts"]:
         return ""
     edges = h["edges"]
-    labels = [f"{edges[i]:.0e}" if i % 4 == 0 else "" for i in range(len(h["counts"]))]
+    decade = [abs(math.log10(e) - round(math.log10(e))) < 1e-6 for e in edges]  # label the powers of ten only
+    labels = [label(edges[i]) if decade[i] else "" for i in range(len(h["counts"]))]
     hover = [f"[{edges[i]:.3g}, {edges[i + 1]:.3g})" for i in range(len(h["counts"]))]
     chart = bar_chart(labels, {"tokens": h["counts"]}, "tokens", "KLD histogram", hover=hover)
     note = f"Per-token KLD in quarter decades; {h['below']:,} tokens below 1e-15 (rounding), {h['above']:,} above 1e4."

@@ -35,11 +35,17 @@ def ticks(lo: float, hi: float, log: bool = False, count: int = 5) -> list[float
 
 
 def label(v: float) -> str:
-    """A tick's text: short, whatever the magnitude."""
+    """A tick's text: short, whatever the magnitude.
+
+    Examples:
+        >>> [label(v) for v in (0.0, 0.25, 2e4, 1.2e5, 1e-8)]
+        ['0', '0.25', '2e4', '1.2e5', '1e-8']
+    """
     if v == 0:
         return "0"
-    if abs(v) >= 1e5 or abs(v) < 1e-3:
-        return f"{v:.0e}".replace("e-0", "e-").replace("e+0", "e")
+    if abs(v) >= 1e4 or abs(v) < 1e-3:  # two significant digits, so 1e5 and 1.2e5 stay two labels
+        mantissa, exponent = f"{v:.1e}".split("e")
+        return f"{mantissa.removesuffix('.0')}e{int(exponent)}"
     return f"{v:,.4g}"
 
 
