@@ -50,7 +50,6 @@ def _assert_identical(r: dict, ref: dict) -> None:
 @pytest.mark.parametrize(
     "strategy,world,batch,precision",
     [
-        ("ddp", 2, 5, "32-true"),
         ("ddp", 3, 1, "32-true"),
         ("ddp", 4, 5, "32-true"),
         ("fsdp", 2, 5, "32-true"),

@@ -38,10 +38,8 @@ def reference(docs_file, tmp_path_factory):
 @pytest.mark.parametrize(
     "strategy,world,batch,precision",
     [
-        ("ddp", 2, 1, "32-true"),
         ("ddp", 3, 3, "32-true"),
         ("ddp", 4, 8, "32-true"),
-        ("fsdp", 2, 3, "32-true"),
         ("fsdp", 4, 1, "32-true"),
         ("ddp", 3, 8, "64-true"),
         ("fsdp", 2, 1, "64-true"),
@@ -98,7 +96,7 @@ def test_fewer_windows_than_ranks(tmp_path, reference):
         assert r["rank_tokens"].count(0) == r["world_size"] - 1
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "hsdp"])
+@pytest.mark.parametrize("strategy", ["ddp"])  # hsdp over two nodes: test_deterministic, bit for bit
 def test_two_nodes_by_torchrun(docs_file, reference, tmp_path, strategy):
     """Two torchrun launches (node_rank 0 and 1) of two processes each, on 127.0.0.1."""
     port, out = free_port(), tmp_path / "out"
