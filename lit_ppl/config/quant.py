@@ -25,6 +25,7 @@ from lit_ppl.config.values import (
     QUANT_SCHEMES,
     QUANT_SOURCES,
     REFERENCE_DTYPES,
+    SENSITIVITY_METHODS,
     ConfigError,
     check_calibration,
     check_non_negative,
@@ -171,6 +172,13 @@ class QuantConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig, metadata=meta("auto: the loss allowed"))
     sensitivity: str | None = field(
         default=None, metadata=meta("auto: reuse the layer measurements of an earlier quant=auto run's results.json")
+    )
+    sensitivity_method: str = field(
+        default="fisher",
+        metadata=meta(
+            "auto: each candidate's KLD estimated from gradients (fisher: a few passes) or measured alone (exact)",
+            choices=SENSITIVITY_METHODS,
+        ),
     )
     schemes: list[str] = field(
         default_factory=lambda: list(AUTO_SCHEMES),

@@ -31,6 +31,7 @@ ENCODING_ERRORS = ("strict", "replace", "ignore")  # lit_ppl.data.sources
 QUANT_SCHEMES = ("none", "int8", "int8dq", "int4")  # lit_ppl.quant.schemes.Scheme: what one rule applies
 QUANT_NAMES = (*QUANT_SCHEMES, "policy", "auto")  # quant.name: one scheme, per-module rules, or chosen by a budget
 AUTO_SCHEMES = ("none", "int8", "int4")  # quant=auto: the schemes quant.schemes may list
+SENSITIVITY_METHODS = ("fisher", "exact")  # quant=auto: a gradient estimate per window, or each candidate measured
 QUANT_METHODS = ("rtn", "awq", "gptq", "hqq")  # one entry each in lit_ppl.quant.methods.METHODS
 CALIBRATED_METHODS = ("awq", "gptq")  # the entries with calibrated=True
 QUANT_SOURCES = ("local", "rank0")  # lit_ppl.quant.apply: every rank quantizes, or rank 0 broadcasts

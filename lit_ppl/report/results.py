@@ -48,7 +48,7 @@ def build_results(
     """The ``results.json`` document: the metric's statistics, the module's own ``fields`` (its quantization, a
     comparison's statistics: ``PerplexityModule.result_fields``), the run's facts and its resolved config."""
     seconds = stats["seconds"]
-    return {
+    results = {
         "schema_version": SCHEMA_VERSION,
         "ppl": stats["ppl"],
         "nll_mean": stats["nll_mean"],
@@ -79,6 +79,20 @@ def build_results(
         "versions": library_versions(),
         **fields,
     }
+    _auto_evaluated(results)
+    return results
+
+
+def _auto_evaluated(results: dict[str, Any]) -> None:
+    """``quant.auto``'s budget measured on the evaluated text, when the run compares with the unquantized model:
+    the mean KLD, or ``|PPL / PPL_base − 1|``, and whether it is within the budget."""
+    auto, compare = (results.get("quant") or {}).get("auto"), results.get("compare")
+    if not auto or not compare or (results.get("reference_quant") or {}).get("name", "none") != "none":
+        return
+    ((metric, value),) = auto["budget"].items()
+    measured = compare["kld_mean"] if metric == "kld" else abs(compare["ppl_ratio"] - 1.0)
+    auto["measured_evaluated"] = measured
+    auto["met"]["evaluated"] = bool(measured <= value)
 
 
 def quant_name(run: dict[str, Any]) -> str:

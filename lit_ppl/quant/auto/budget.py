@@ -26,6 +26,7 @@ from lit_ppl.quant.schemes import Scheme
 from lit_ppl.runtime.memory import tensor_bytes
 
 BINS = 4000  # the budget's resolution in the knapsack: a cost is rounded up by at most budget / BINS
+Z = 1.645  # a choice keeps its cost's one-sided 95% upper confidence bound within the budget
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,33 @@ class Budget:
         perplexity ratio within ``[1 − b, 1 + b]``)."""
         return self.value if self.metric == "kld" else math.log1p(self.value)
 
-    def cost(self, sums: torch.Tensor) -> float:
-        """A measurement's cost from its summed ``(KLD, NLL, NLL of the float model, tokens)``."""
-        kld, nll, nll_base, tokens = (float(x) for x in sums)
+    def cost(self, units: torch.Tensor) -> float:
+        """A measurement's cost from its ``(Σ KLD, Σ NLL, Σ NLL of the float model, tokens)`` per unit of tokens."""
+        kld, nll, nll_base, tokens = (float(x) for x in real_units(units).sum(0))
         return kld / tokens if self.metric == "kld" else abs(nll - nll_base) / tokens
+
+    def bound(self, units: torch.Tensor) -> float:
+        """The cost's upper confidence bound (one-sided, :data:`Z` standard errors): the mean over tokens is a ratio
+        of sums over units, its standard error the ratio estimator's, ``√(Σ (v_i − m n_i)² / (N (N − 1))) / n̄``."""
+        units = real_units(units)
+        value = units[:, 0] if self.metric == "kld" else units[:, 1] - units[:, 2]
+        tokens = units[:, 3]
+        mean = value.sum() / tokens.sum()
+        n = units.shape[0]
+        if n < 2:
+            return math.inf  # one unit gives no variance: nothing is bounded
+        stderr = torch.sqrt(((value - mean * tokens) ** 2).sum() / (n * (n - 1))) / tokens.mean()
+        return abs(float(mean)) + Z * float(stderr)
 
     def shown(self, cost: float) -> float:
         """A cost in the budget's own terms (``ppl_increase``: ``exp(|ΔNLL|) − 1``)."""
         return cost if self.metric == "kld" else math.expm1(cost)
+
+
+def real_units(units: torch.Tensor) -> torch.Tensor:
+    """The units that hold tokens, as ``(N, 4)`` float64 (the same tensor at every world size: padding dropped)."""
+    flat = units.reshape(-1, 4).double()
+    return flat[flat[:, 3] > 0]
 
 
 def packed_bytes(scheme: Scheme, weight: torch.Tensor) -> int:

@@ -27,18 +27,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from lit_ppl.config.quant import QuantConfig
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.nll import auto_chunk
-from lit_ppl.quant.auto.budget import Budget, Option, cheapest, packed_bytes
+from lit_ppl.quant.auto.budget import Budget, Option, cheapest, packed_bytes, real_units
 from lit_ppl.quant.auto.candidates import Candidates, installed
+from lit_ppl.quant.auto.fisher import estimate_layers
 from lit_ppl.quant.auto.policy import policy_node
 from lit_ppl.quant.auto.sensitivity import Meter
-from lit_ppl.quant.auto.table import Table, load_table, measure_layers
-from lit_ppl.quant.calibrated.stream import Where, block_of, ordered_sum
+from lit_ppl.quant.auto.table import Table, load_table, measure_layers, table_from_sums
+from lit_ppl.quant.calibrated.stream import Where, block_of, ordered_rows, ordered_sum
 from lit_ppl.quant.calibrated.text import Calibration
 from lit_ppl.quant.schemes import NONE
 
@@ -70,6 +70,7 @@ def _table(
     cfg: QuantConfig,
     candidates: Candidates,
     meter: Meter,
+    calibration: Calibration,
     kinds: list[str],
     fingerprint: dict,
     at: Where,
@@ -80,14 +81,17 @@ def _table(
     if cfg.sensitivity:
         expected = {n: [k for k in kinds if candidates.scheme(n, k) is not None] for n in candidates.layers}
         return load_table(cfg.sensitivity, fingerprint, expected), 0
-    return measure_layers(lm, candidates, meter, kinds, at)
+    if cfg.sensitivity_method == "exact":
+        return measure_layers(lm, candidates, meter, kinds, at)
+    local, windows = estimate_layers(lm, candidates, calibration, kinds, at, meter.chunk_size)
+    return table_from_sums(ordered_sum(local.to(next(lm.parameters()).device), at).cpu(), candidates, kinds), windows
 
 
 def _search(
     layers: list[str],
     options: list[list[Option]],
     budget: Budget,
-    measured: Callable[[dict[str, str]], float],
+    measured: Callable[[dict[str, str]], tuple[float, float]],
     schemes: list[str],
 ) -> tuple[dict[str, Option], list[dict[str, Any]]]:
     """The cheapest assignment whose whole measurement meets the budget, and every round tried."""
@@ -98,21 +102,22 @@ def _search(
             break
         tried.add(tuple(picks))
         picked = {n: options[u][j] for u, (n, j) in enumerate(zip(layers, picks, strict=True))}
-        cost = measured({n: o.kind for n, o in picked.items() if o.kind != "none"})
+        cost, bound = measured({n: o.kind for n, o in picked.items() if o.kind != "none"})
         predicted = sum(o.cost(budget) for o in picked.values())
         size = sum(o.bytes for o in picked.values())
-        shown = {"predicted": budget.shown(predicted), "measured": budget.shown(cost), "bytes": size}
-        rounds.append({"target": budget.shown(target), **shown})
-        if cost <= budget.limit:
+        shown = {"predicted": budget.shown(predicted), "measured": budget.shown(cost), "bound": budget.shown(bound)}
+        rounds.append({"target": budget.shown(target), **shown, "bytes": size})
+        if bound <= budget.limit:
             return picked, rounds
-        # Below this assignment's own prediction, scaled by how far the whole overshot it: the next round must
+        # Below this assignment's own prediction, scaled by how far its bound overshot: the next round must
         # choose another (a target that only shrinks from the budget may still admit the same one).
-        target = min(target, predicted) * SHRINK * budget.limit / cost
+        target = min(target, predicted) * SHRINK * budget.limit / bound
     # No round at all: costs rounded up to the budget's steps left no assignment within it (the floor is close).
     floor = sum(min(o.cost(budget) for o in unit) for unit in options)
-    best, how = min(((r["measured"], "measured") for r in rounds), default=(budget.shown(floor), "predicted"))
+    best, how = min(((r["bound"], "upper bound") for r in rounds), default=(budget.shown(floor), "predicted"))
     raise LitPplError(
-        f"quant.budget.{budget.metric}={budget.value:g} is not met on the calibration text: the best reachable "
+        f"quant.budget.{budget.metric}={budget.value:g} is not met on the calibration text (with 95% "
+        f"confidence): the best reachable "
         f"with quant.schemes={schemes} is {best:.4g} ({how}, {len(rounds)} assignments tried); raise the budget"
     )
 
@@ -165,25 +170,25 @@ def choose_policy(
     meter = Meter(lm, calibration, at.rank, at.size, chunk, lists.pop() if len(lists) == 1 else None)
     device = next(lm.parameters()).device
 
-    def measured(quantized: dict[str, str]) -> float:
-        """The budget's cost of these layers quantized together, on every rank's calibration tokens."""
-        return budget.cost(sums(quantized))
-
-    def sums(quantized: dict[str, str]) -> torch.Tensor:
+    def measured(quantized: dict[str, str]) -> tuple[float, float]:
+        """The budget's cost of these layers quantized together, on every rank's calibration tokens, and its
+        upper confidence bound."""
         with installed(lm, {n: candidates.weight(n, k) for n, k in quantized.items()}):
-            return ordered_sum(meter.measure().to(device), at).cpu()
+            units = ordered_rows(meter.measure().to(device), at).cpu()
+        return budget.cost(units), budget.bound(units)
 
-    base = sums({})
+    base = real_units(ordered_rows(meter.measure().to(device), at).cpu()).sum(0)
     fingerprint = {
         "schemes": list(cfg.schemes),
         "method": cfg.method,
         "group_size": cfg.group_size,
         "layers": layers,
+        "sensitivity_method": cfg.sensitivity_method,
         "tokens": int(base[3]),
         "nll": float(base[2] / base[3]),  # the float model's mean NLL on the calibration text: model, text, dtype
     }
     t1 = time.perf_counter()
-    table, passes = _table(lm, cfg, candidates, meter, kinds, fingerprint, at)
+    table, passes = _table(lm, cfg, candidates, meter, calibration, kinds, fingerprint, at)
     t2 = time.perf_counter()
     options = unit_options(lm, candidates, kinds, table, "none" in cfg.schemes)
     _check_reachable(budget, layers, options, cfg, bool(cfg.sensitivity and table))
@@ -223,7 +228,10 @@ def _facts(
     info = {
         "budget": {budget.metric: budget.value},
         "predicted": rounds[-1]["predicted"] if table else None,  # nothing measured alone: nothing predicted
+        "bound": rounds[-1]["bound"],  # the calibration measurement's one-sided 95% upper bound
         "measured_calibration": rounds[-1]["measured"],
+        "measured_evaluated": None,  # the evaluated text's, set with results.json when the run compares
+        "met": _met(budget, rounds[-1], table),
         "bytes": rounds[-1]["bytes"],
         "bytes_full_precision": full,
         "bytes_uniform": uniform,  # every layer the scheme takes; the rest in full precision
@@ -248,3 +256,14 @@ def _facts(
         full,
     )
     return info
+
+
+def _met(budget: Budget, last: dict[str, Any], table: Table) -> dict[str, bool | None]:
+    """Whether each figure of the chosen assignment is within the budget (``evaluated``: set with results.json)."""
+    within = {key: bool(last[key] <= budget.value) for key in ("predicted", "bound", "measured")}
+    return {
+        "predicted": within["predicted"] if table else None,
+        "bound": within["bound"],
+        "calibration": within["measured"],
+        "evaluated": None,
+    }

@@ -33,6 +33,7 @@ from lit_ppl.quant.calibrated.text import Calibration
 
 log = logging.getLogger(__name__)
 
+UNIT = 64  # scored tokens per unit of a measurement's variance (units of a batch are consecutive positions)
 REPLAY_TOLERANCE = 1e-4  # largest |Δ hidden| / max |hidden| of a float replay: rounding, not another function
 
 
@@ -75,6 +76,8 @@ class Meter:
         blocks: str | None,
     ) -> None:
         self.lm, self.chunk_size, self.steps = lm, chunk_size, calibration.steps(world_size)
+        spec = calibration.spec.config
+        self.units = -(-spec.batch_size * spec.seq_len // UNIT)  # the most a batch has: the same on every rank
         self.decoder, head = decoder_and_head(lm)
         device = next(lm.parameters()).device
         self.batches = []
@@ -158,20 +161,23 @@ class Meter:
         return hidden.shape == ref.shape and float((hidden - ref).abs().max()) <= REPLAY_TOLERANCE * scale
 
     def measure(self, start: int | None = None) -> torch.Tensor:
-        """``(Σ KLD, Σ NLL, Σ NLL of the float model, tokens)`` (float64) of the model as it is now, one row per
-        step of this rank's calibration batches (zeros past its last: summed over the ranks in global batch order by
-        :func:`lit_ppl.quant.calibrated.stream.ordered_sum`); ``start``: the first block it differs in, to which the
-        probe was advanced (``None``: any, a whole forward)."""
+        """``(Σ KLD, Σ NLL, Σ NLL of the float model, tokens)`` (float64) of the model as it is now, per step of
+        this rank's calibration batches (zeros past its last) and unit of :data:`UNIT` scored tokens of the batch:
+        ``(steps, units, 4)``, stacked over the ranks in global batch order by
+        :func:`lit_ppl.quant.calibrated.stream.ordered_rows` (the units give the measurement's variance);
+        ``start``: the first block it differs in, to which the probe was advanced (``None``: any, a whole
+        forward)."""
         replay = self.replay and start is not None
         if replay and start != self.at:
             raise AssertionError(f"measure(start={start}) after advance({self.at}): a bug")
-        sums = torch.zeros(self.steps, 4, dtype=torch.float64)
+        sums = torch.zeros(self.steps, self.units, 4, dtype=torch.float64)
         with self._replaying(self.at if replay else 0), torch.no_grad():
             for k, (input_ids, real, targets) in enumerate(self.batches):
                 self.box[0] = self.kept[k] if replay and self.at else None
                 hidden = self._hidden(input_ids, real)
                 st = token_stats(hidden, self.reference[k], targets, self.head, self.head_base, self.chunk_size)
-                parts = [st["kld"].sum(), st["nll"].sum(), st["nll_base"].sum()]
-                sums[k, :3] = torch.stack(parts).cpu()
-                sums[k, 3] = targets.numel()
+                parts = [st["kld"], st["nll"], st["nll_base"], torch.ones_like(st["nll"])]
+                for i, part in enumerate(parts):
+                    padded = F.pad(part.double().cpu(), (0, self.units * UNIT - part.numel()))
+                    sums[k, :, i] = padded.view(self.units, UNIT).sum(1)
         return sums

@@ -45,10 +45,15 @@ def measure_layers(
         for j, kind in enumerate(kinds):
             if candidates.scheme(name, kind) is not None:
                 with installed(lm, {name: candidates.weight(name, kind)}):
-                    local[:, u, j] = meter.measure(where[1] if where else None)
+                    local[:, u, j] = meter.measure(where[1] if where else None).sum(1)
                 passes += 1
-    sums = ordered_sum(local.to(next(lm.parameters()).device), at).cpu()
-    table = {
+    return table_from_sums(ordered_sum(local.to(next(lm.parameters()).device), at).cpu(), candidates, kinds), passes
+
+
+def table_from_sums(sums: torch.Tensor, candidates: Candidates, kinds: list[str]) -> Table:
+    """``{layer: {scheme: {kld, nll_delta}}}`` from ``(Σ KLD, Σ NLL, Σ NLL of the float model, tokens)`` per
+    candidate and scheme, summed over every rank's calibration tokens."""
+    return {
         name: {
             kind: {
                 "kld": float(sums[u, j, 0] / sums[u, j, 3]),
@@ -57,9 +62,8 @@ def measure_layers(
             for j, kind in enumerate(kinds)
             if candidates.scheme(name, kind) is not None
         }
-        for u, name in enumerate(layers)
+        for u, name in enumerate(candidates.layers)
     }
-    return table, passes
 
 
 def load_table(path: str, fingerprint: dict[str, Any], measured: dict[str, list[str]]) -> Table:

@@ -121,19 +121,24 @@ def _whole_shape(mod: nn.Module, name: str, where: Where) -> torch.Tensor:
     return torch.empty(shape, dtype=w.dtype, device=w.device)
 
 
-def ordered_sum(rows: torch.Tensor, where: Where) -> torch.Tensor:
-    """``Σ`` over dim 0 of every data-parallel rank's ``rows`` (row ``k``: its batch of step ``k``, zeros past its
-    last), in global batch order: the same bits at any world size (collective over every rank)."""
+def ordered_rows(rows: torch.Tensor, where: Where) -> torch.Tensor:
+    """Every data-parallel rank's ``rows`` (row ``k``: its batch of step ``k``, zeros past its last) stacked in
+    global batch order (collective over every rank)."""
     parts = [rows]
     if where.size * where.tp_size > 1:
         import torch.distributed as dist
 
         parts = [torch.empty_like(rows) for _ in range(where.size * where.tp_size)]
         dist.all_gather(parts, rows.contiguous())
+    return torch.stack([parts[d * where.tp_size][k] for k in range(rows.shape[0]) for d in range(where.size)])
+
+
+def ordered_sum(rows: torch.Tensor, where: Where) -> torch.Tensor:
+    """``Σ`` over dim 0 of every data-parallel rank's ``rows`` in global batch order: the same bits at any world
+    size (collective over every rank)."""
     total = torch.zeros_like(rows[0])
-    for k in range(rows.shape[0]):
-        for d in range(where.size):
-            total += parts[d * where.tp_size][k]
+    for row in ordered_rows(rows, where):
+        total += row
     return total
 
 

@@ -1,0 +1,131 @@
+"""quant=auto's sensitivity estimate against the exact measurement, side by side in one run.
+
+For each ``quant.sensitivity_method`` (fisher, the default, and exact) the first budget measures the table, the later
+budgets reuse it (``quant.sensitivity``); every row evaluates the same held-out text with ``compare=unquantized``.
+Prints per row the bytes, the KLD predicted, its upper bound and measured on the calibration text, on the held-out
+text, and whether each is within the budget; then the time of each table and the estimate's error against the exact
+table per layer type and scheme.
+
+    python benchmarks/auto_estimate.py                    # SmolLM2-135M, WikiText-2, budgets 0.005 0.02 0.1
+    python benchmarks/auto_estimate.py --model ../shared/data/stories260K --text ../shared/data/tinyshakespeare.txt
+
+Figures: benchmarks/README.md ("The sensitivity estimate").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+
+from common import lit_ppl, table
+from int4_methods import calibrated_parser, calibrated_texts
+
+
+def g4(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation (ties broken by order: the values are continuous)."""
+
+    def ranks(v: list[float]) -> list[int]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0] * len(v)
+        for r, i in enumerate(order):
+            out[i] = r
+        return out
+
+    return statistics.correlation(ranks(a), ranks(b))
+
+
+def errors(estimate: dict, exact: dict) -> list[dict]:
+    """Per layer type and scheme: estimate / exact KLD (median, range) and the rank correlation over layers."""
+    groups: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for layer, row in exact.items():
+        kind = re.sub(r".*\.", "", layer)
+        for scheme, value in row.items():
+            groups.setdefault((kind, scheme), []).append((estimate[layer][scheme]["kld"], value["kld"]))
+    groups[("all", "all")] = [p for pairs in list(groups.values()) for p in pairs]
+    rows = []
+    for (kind, scheme), pairs in groups.items():
+        ratios = [e / x for e, x in pairs if x > 0]
+        rows.append(
+            {
+                "layers": kind,
+                "scheme": scheme,
+                "n": len(pairs),
+                "median_est/exact": g4(statistics.median(ratios)),
+                "min": g4(min(ratios)),
+                "max": g4(max(ratios)),
+                "rank_corr": g4(spearman([e for e, _ in pairs], [x for _, x in pairs]) if len(pairs) > 2 else None),
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = calibrated_parser(__doc__)
+    parser.add_argument("--group", type=int, default=64)
+    parser.add_argument("--method", default="awq", help="int4's method")
+    parser.add_argument("--budget", type=float, action="append", help="mean-KLD budgets (default 0.005 0.02 0.1)")
+    parser.add_argument("--estimators", default="fisher,exact", help="sensitivity methods, comma-separated")
+    args = parser.parse_args()
+    work, evaluated, cal = calibrated_texts(args, "auto_estimate_")
+    common = ["compare=unquantized", f"eval.seq_len={args.seq_len}", f"precision={args.precision}"]
+    common += ["report.plots=false", f"quant.group_size={args.group}", f"quant.method={args.method}", *cal]
+    rows, tables, seconds = [], {}, {}
+    for how in args.estimators.split(","):
+        first = None
+        for budget in args.budget or [0.005, 0.02, 0.1]:
+            t0 = time.perf_counter()
+            reuse = [f"quant.sensitivity={first}"] if first else []
+            extra = [*common, "quant=auto", f"quant.sensitivity_method={how}", f"quant.budget.kld={budget}", *reuse]
+            out = work / f"{how}-{budget}"
+            r = lit_ppl(args.model, evaluated, out, *extra)
+            auto = r["quant"]["auto"]
+            if first is None:
+                first, tables[how] = out / "out", auto["sensitivity"]
+                seconds[how] = auto["measurement"]["seconds_layers"], auto["measurement"]["passes"]
+            met = auto["met"]
+            rows.append(
+                {
+                    "table": how,
+                    "budget": budget,
+                    "bytes": f"{auto['bytes']:,}",
+                    "of_full": auto["bytes"] / auto["bytes_full_precision"],
+                    "predicted": g4(auto["predicted"]),
+                    "bound": g4(auto["bound"]),
+                    "calibration": g4(auto["measured_calibration"]),
+                    "held_out": g4(auto["measured_evaluated"]),
+                    "met p/b/c/e": "".join("y" if met[k] else "n" for k in ("predicted", "bound", "calibration"))
+                    + ("y" if met["evaluated"] else "n"),
+                    "rounds": len(auto["rounds"]),
+                    "layers": ", ".join(f"{v['layers']} {k}" for k, v in auto["by_scheme"].items()),
+                    "seconds": time.perf_counter() - t0,
+                }
+            )
+            print(table(rows[-1:], list(rows[-1])), flush=True)
+    (work / "tables.json").write_text(json.dumps({"tables": tables, "seconds": seconds}))
+    print(
+        f"\n{args.model.name}, {args.text.name}: first {args.eval_bytes:,} bytes evaluated (seq_len {args.seq_len}), "
+        f"the next {args.calib_bytes:,} bytes calibrate and measure ({args.calib_tokens} tokens), int4 "
+        f"{args.method} g{args.group}, precision {args.precision}; bytes: the linear layers' weights as packed; "
+        f"tables: {work / 'tables.json'}\n"
+    )
+    print(table(rows, list(rows[0])))
+    for how, (s, passes) in seconds.items():
+        print(f"{how}: table in {s:.1f} s ({passes} passes)")
+    if {"fisher", "exact"} <= set(tables):
+        print(f"exact / fisher seconds: {seconds['exact'][0] / seconds['fisher'][0]:.1f}x\n")
+        print(
+            table(
+                errors(tables["fisher"], tables["exact"]),
+                ["layers", "scheme", "n", "median_est/exact", "min", "max", "rank_corr"],
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""``quant=auto``'s sensitivity estimate (``quant.sensitivity_method=fisher``, the default): every candidate's KL
+divergence predicted from one forward and two backward passes per calibration window, instead of one forward per
+candidate (:mod:`lit_ppl.quant.auto.sensitivity`, ``quant.sensitivity_method=exact``).
+
+Second order about the float model: a change ``Δy`` of a layer's output moves the next-token distributions by
+``KL ≈ ½ Δyᵀ F Δy``, with ``F`` the Fisher information of the model's own predictions. ``F = E[g gᵀ]`` for ``g`` the
+gradient of ``log p(t)`` at a token ``t`` *sampled from the model* (one per position; sampling makes the estimate
+unbiased, the text's own tokens would not), kept diagonal per position and output channel as NVIDIA
+Model-Optimizer's AutoQuantize does: ``KLD ≈ ½ Σ g² Δy²``, with ``Δy = x ΔWᵀ`` the candidate's change of the layer's
+output on the float model's inputs ``x`` (an embedding: the rows it looks up). The change of the text's NLL adds the
+first-order term of the text's own tokens: ``ΔNLL ≈ −Σ g_text · Δy + KLD``. Written here because none of the
+dependencies estimates a quantization's effect (Model-Optimizer is not one).
+
+Sums per window are float64 and added over the ranks in global batch order
+(:func:`lit_ppl.quant.calibrated.stream.ordered_sum`): the same table at any world size. Tokens are sampled from a
+generator seeded by the window's global index. Memory: each candidate's ``ΔW`` is held for the pass (the linear
+weights once per scheme, in the weights' dtype) beside one window's activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_ppl.model.scorer import decoder_and_head, head_fn
+from lit_ppl.quant.auto.candidates import Candidates
+from lit_ppl.quant.calibrated.stream import Where
+from lit_ppl.quant.calibrated.text import Calibration
+
+SEED = 20_240_601  # the sampled tokens' generator: seeded by this and the window's global index
+
+
+class _Probe:
+    """Hooks on every candidate's modules that add, per candidate and scheme, ``½ Σ g² Δy²`` (sampled tokens'
+    gradients, ``mode`` 0) or ``Σ g · Δy`` (the text's tokens, ``mode`` 1) to ``sums`` as gradients arrive."""
+
+    def __init__(self, lm: nn.Module, candidates: Candidates, kinds: list[str]) -> None:
+        self.lm, self.kinds, self.mode = lm, kinds, 0
+        self.layers = candidates.layers
+        self.sums = torch.zeros(len(self.layers), len(kinds), 2, dtype=torch.float64)
+        self.deltas: dict[str, list[torch.Tensor | None]] = {}
+        for name in self.layers:
+            float_weight = lm.get_submodule(modules_of(candidates, name)[0]).weight.detach()
+            self.deltas[name] = [
+                None if candidates.scheme(name, kind) is None else _delta(candidates, name, kind, float_weight)
+                for kind in kinds
+            ]
+
+    @contextmanager
+    def hooked(self, candidates: Candidates) -> Iterator[None]:
+        """The hooks in place, the weights frozen (no weight gradient is computed) and the input embeddings' output
+        a leaf that needs a gradient (the backward pass reaches every layer)."""
+        params = [p for p in self.lm.parameters() if p.requires_grad]
+        embed = self.lm.get_input_embeddings()
+        handles = [embed.register_forward_hook(lambda _, __, out: out.requires_grad_(True), prepend=True)]
+        for u, name in enumerate(self.layers):
+            for module_name in modules_of(candidates, name):
+                module = self.lm.get_submodule(module_name)
+                handles.append(module.register_forward_hook(self._watch(u, name, module)))
+        try:
+            for p in params:
+                p.requires_grad_(False)
+            with torch.enable_grad():
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+            for p in params:
+                p.requires_grad_(True)
+
+    def _watch(self, u: int, name: str, module: nn.Module) -> Callable[..., None]:
+        lookup = isinstance(module, nn.Embedding)
+
+        def forward_hook(_: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
+            if out.requires_grad:
+                x = args[0]
+                out.register_hook(lambda g: self._add(u, name, x, g, lookup))
+
+        return forward_hook
+
+    def _add(self, u: int, name: str, x: torch.Tensor, g: torch.Tensor, lookup: bool) -> None:
+        with torch.no_grad():
+            g = g.float()
+            for j, delta in enumerate(self.deltas[name]):
+                if delta is None:
+                    continue
+                dy = (F.embedding(x, delta) if lookup else F.linear(x, delta)).float()
+                term = 0.5 * (g.square() * dy.square()) if self.mode == 0 else g * dy
+                self.sums[u, j, self.mode] += term.sum(dtype=torch.float64).cpu()
+
+
+def modules_of(candidates: Candidates, name: str) -> list[str]:
+    """The modules whose weight candidate ``name`` replaces (two for a tied head and embedding)."""
+    return candidates.modules(name) if hasattr(candidates, "modules") else [name]
+
+
+def _delta(candidates: Candidates, name: str, kind: str, float_weight: torch.Tensor) -> torch.Tensor:
+    """The candidate's weight minus the float one, with AWQ's input pre-scale folded in (``(x·s) Wᵀ = x (W·s)ᵀ``)."""
+    weight, pre = candidates.weight(name, kind)
+    if type(weight) is not torch.Tensor:  # a torchao tensor subclass: its float values
+        weight = weight.dequantize()
+    if pre is not None:
+        weight = weight * pre.to(weight.dtype)
+    return (weight - float_weight).to(float_weight.dtype)
+
+
+def _window(
+    decoder: nn.Module,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    probe: _Probe,
+    chunk: int,
+    generator: torch.Generator,
+) -> None:
+    """One window's forward pass, then the backward passes of sampled tokens (``mode`` 0) and of the text's tokens
+    (``mode`` 1); the head runs ``chunk`` positions at a time on a detached copy of the hidden states, so that no
+    whole window of logits is held."""
+    out = decoder(input_ids=input_ids, use_cache=False)
+    hidden = (out[0] if isinstance(out, tuple) else out.last_hidden_state)[0]
+    grads = [torch.zeros_like(hidden), torch.zeros_like(hidden)]
+    for start in range(0, hidden.shape[0], chunk):
+        part = hidden.detach()[start : start + chunk].requires_grad_(True)
+        logp = torch.log_softmax(head(part).float(), dim=-1)
+        with torch.no_grad():
+            sampled = torch.multinomial(logp.exp(), 1, generator=generator)
+        losses = [logp.gather(1, sampled).sum(), logp.gather(1, targets[start : start + chunk, None]).sum()]
+        for mode, loss in enumerate(losses):
+            probe.mode = mode
+            (grad,) = torch.autograd.grad(loss, part, retain_graph=mode == 0)
+            grads[mode][start : start + chunk] = grad
+    for mode in (0, 1):
+        probe.mode = mode
+        hidden.backward(grads[mode], retain_graph=mode == 0)
+
+
+def estimate_layers(
+    lm: nn.Module, candidates: Candidates, calibration: Calibration, kinds: list[str], at: Where, chunk: int
+) -> tuple[torch.Tensor, int]:
+    """Per step of this rank's calibration batches, candidate and scheme ``(Σ KLD, Σ ΔNLL, 0, tokens)`` estimated
+    (float64, the layout :func:`lit_ppl.quant.auto.table.table_from_sums` reads), and the windows it took."""
+    decoder, head = decoder_and_head(lm)
+    head_call = head_fn(lm, head)
+    device = next(lm.parameters()).device
+    probe = _Probe(lm, candidates, kinds)
+    local = torch.zeros(calibration.steps(at.size), len(probe.layers), len(kinds), 4, dtype=torch.float64)
+    windows = 0
+    with probe.hooked(candidates):
+        for k, ids in enumerate(calibration.batches(at.rank, at.size)):
+            input_ids, real = calibration.batch(ids, device)
+            targets = calibration.targets(ids, device)
+            for row in range(input_ids.shape[0]):
+                n = int(real[row].sum())
+                generator = torch.Generator(device=device).manual_seed(SEED + ids[row])
+                probe.sums.zero_()
+                _window(decoder, head_call, input_ids[row : row + 1, :n], targets[row, :n], probe, chunk, generator)
+                kld, first = probe.sums.unbind(-1)
+                local[k, :, :, 0] += kld
+                local[k, :, :, 1] += kld - first  # ΔNLL = −Σ g_text·Δy + KLD (g: of log p)
+                local[k, :, :, 3] += n
+                windows += 1
+    return local, windows
