@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -90,12 +90,19 @@ class Sums:
                 part.zero_()
 
 
+class WeightShape(NamedTuple):
+    """What a statistics factory reads of a weight: the whole layer's shape (its split undone) and its device."""
+
+    shape: tuple[int, ...]
+    device: torch.device
+
+
 def layer_statistics(
     lm: nn.Module,
     names: list[str],
     calibration: Calibration,
     where: Where,
-    sums: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+    sums: Callable[[WeightShape], dict[str, torch.Tensor]],
 ) -> tuple[dict[str, nn.Module], list[list[int]], list[torch.Tensor], Sums]:
     """What a calibrated method's pass starts from: the observed layers, this rank's calibration batches, the box
     its hooks read the real-position mask from, and per layer the zeroed ``sums(whole weight's shape)`` plus a
@@ -112,13 +119,12 @@ def _dev(mod: nn.Module) -> torch.device:
     return mod.weight.device
 
 
-def _whole_shape(mod: nn.Module, name: str, where: Where) -> torch.Tensor:
-    """A meta tensor of the layer's whole weight's shape (its split undone), on the weight's device for zeros."""
-    w = mod.weight
-    shape = list(w.shape)
+def _whole_shape(mod: nn.Module, name: str, where: Where) -> WeightShape:
+    """The layer's whole weight's shape and device, without allocating it."""
+    shape = list(mod.weight.shape)
     if where.tp is not None and where.tp.rowwise(name):
         shape[1] = mod.full_in_features
-    return torch.empty(shape, dtype=w.dtype, device=w.device)
+    return WeightShape(tuple(shape), mod.weight.device)
 
 
 def ordered_rows(rows: torch.Tensor, where: Where) -> torch.Tensor:
