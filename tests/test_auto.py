@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import STORIES, TINYSTORIES, require_shared, run_entry
 
 from lit_ppl.config.quant import quant_config
@@ -21,6 +22,8 @@ from lit_ppl.config.values import ConfigError, check_calibration
 from lit_ppl.errors import LitPplError
 from lit_ppl.quant.auto.budget import cheapest
 from lit_ppl.quant.auto.policy import POLICY_FILE
+from lit_ppl.quant.calibrated.text import Calibration, CalibrationSpec, prepare_calibration
+from lit_ppl.quant.schemes import Scheme
 
 SHAKESPEARE = STORIES.parent / "tinyshakespeare.txt"
 SMALL = {"tokens": 1024, "seq_len": 256, "batch_size": 2, "grid": 5}
@@ -211,3 +214,81 @@ def test_gptq_candidates_are_the_weights_the_policy_applies(compose, tmp_path):
     assert {rule["method"] for rule in auto["policy"]["rules"] if rule["config"] == "int4"} == {"gptq"}
     assert auto["measured_calibration"] <= 0.05 and r["compare"]["kld_mean"] <= 0.05
     assert_page_shows_the_choice(tmp_path / "out" / "report.html", auto)
+
+
+def stories_lm(tied: bool) -> torch.nn.Module:
+    """stories260K (tied head and embeddings), or a copy whose head holds its own weight (untied)."""
+    from lit_ppl.model.spec import ModelSpec
+
+    require_shared()
+    model = ModelSpec(path=str(STORIES)).build()
+    if not tied:
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone(), requires_grad=False)
+    return model
+
+
+def small_calibration(cache: Path) -> Calibration:
+    from lit_ppl.model.spec import ModelSpec
+
+    node = {"path": str(SHAKESPEARE), "cache_dir": str(cache), **SMALL}
+    spec = CalibrationSpec.from_cfg(quant_config({"name": "auto", "calibration": node}).calibration, "auto")
+    return Calibration(spec, prepare_calibration(spec, ModelSpec(path=str(STORIES)).tokenizer(), None))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_head_and_embeddings_are_candidates_applied_as_measured(tmp_path, tied):
+    """The head and the embedding table are candidates (a tied pair one, swapped in both modules), their bytes
+    packed as stored, and quant=policy rules applying a choice give the very KLD measured with it installed."""
+    from lit_ppl.quant.apply import quantize_model
+    from lit_ppl.quant.auto.budget import packed_bytes
+    from lit_ppl.quant.auto.candidates import Candidates, installed
+    from lit_ppl.quant.auto.policy import policy_node
+    from lit_ppl.quant.auto.sensitivity import Meter
+    from lit_ppl.quant.calibrated.stream import Where, ordered_sum
+    from lit_ppl.runtime.memory import inner_tensors, tensor_bytes
+
+    model, cal = stories_lm(tied), small_calibration(tmp_path)
+    cfg = quant_config({"name": "auto", "method": "rtn", "group_size": 32, "budget": {"kld": 1.0}})
+    candidates = Candidates(model, cfg, ["int8", "int4"], cal, Where())
+    emb, head, q = "model.embed_tokens", "lm_head", "model.layers.0.self_attn.q_proj"
+    assert candidates.layers[0] == emb and candidates.modules(q) == [q]
+    if tied:  # one candidate for the one tensor, after the 35 linear layers' and before nothing
+        assert candidates.modules(emb) == [emb, head] and len(candidates.layers) == 36
+    else:
+        assert candidates.modules(emb) == [emb] and candidates.modules(head) == [head] == candidates.layers[-1:]
+    assert candidates.scheme(emb, "int4") == (Scheme("int4", 32), "rtn")  # int4 by round-to-nearest, any method
+    float_head = model.lm_head.weight
+    picks = {emb: "int4", q: "int8"} | ({} if tied else {head: "int8"})
+    meter = Meter(model, cal, 0, 1, 256, None)
+    with installed(model, {n: candidates.weight(n, k) for n, k in picks.items()}):
+        if tied:
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert type(model.model.embed_tokens.weight).__name__ == "IntxUnpackedToInt8Tensor"
+        measured = ordered_sum(meter.measure(), Where())
+    assert model.lm_head.weight is float_head and (model.model.embed_tokens.weight is float_head) == tied
+
+    # Packed bytes: int8 as torchao's tensor holds its codes and per-row scales (its per-row zero point of the
+    # symmetric grid is 0), int4 half a byte per weight plus per group a scale and a zero point.
+    weight = model.model.embed_tokens.weight
+    held = dict(inner_tensors(candidates.weight(emb, "int8")[0]))
+    assert packed_bytes(Scheme("int8"), weight) == tensor_bytes(held["qdata"]) + tensor_bytes(held["scale"])
+    assert not held["zero_point"].any() and held["qdata"].shape == weight.shape and held["scale"].numel() == 512
+    assert packed_bytes(Scheme("int4", 32), weight) == weight.numel() // 2 + 2 * (weight.numel() // 32) * 4
+
+    policy = policy_node(cfg, {n: candidates.scheme(n, k) for n, k in picks.items()})
+    assert {r["method"] for r in policy["rules"]} == {"rtn"}
+    report = quantize_model(model, dataclasses.replace(cfg, name="policy", rules=policy["rules"]))
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert report.modules[head]["config"] == ("int4-g32" if tied else "int8")
+    applied = ordered_sum(meter.measure(), Where())
+    assert measured[0] > 0 and torch.equal(applied, measured)  # the same weights: the same bits
+
+
+def test_without_auto_embeddings_only_linear_layers_are_candidates(tmp_path):
+    from lit_ppl.quant.auto.candidates import Candidates
+    from lit_ppl.quant.calibrated.stream import Where
+
+    cfg = quant_config({"name": "auto", "method": "rtn", "budget": {"kld": 1.0}, "auto_embeddings": False})
+    candidates = Candidates(stories_lm(tied=False), cfg, ["int8"], small_calibration(tmp_path), Where())
+    assert len(candidates.layers) == 35 and all(".layers." in n for n in candidates.layers)

@@ -172,6 +172,12 @@ class QuantConfig:
     sensitivity: str | None = field(
         default=None, metadata=meta("auto: reuse the layer measurements of an earlier quant=auto run's results.json")
     )
+    auto_embeddings: bool = field(
+        default=True,
+        metadata=meta(
+            "auto: the output head and the input embeddings are candidates too (tied: one), by round-to-nearest"
+        ),
+    )
     schemes: list[str] = field(
         default_factory=lambda: list(AUTO_SCHEMES),
         metadata=meta(f"auto: the schemes a layer may get, among {', '.join(AUTO_SCHEMES)}"),
