@@ -59,7 +59,10 @@ def test_auto_meets_its_budget_on_held_out_text_with_fewer_bytes_than_uniform_in
         compose(*auto_args(tmp_path, "quant.schemes=[int8]", "quant.budget.kld=100", f"output_dir={tmp_path / 'int8'}"))
     )
     uniform = int8["quant"]["auto"]
-    assert uniform["by_scheme"] == {"int8": {"layers": 35, "bytes": uniform["bytes_uniform"]["int8"]}}
+    # 35 linear layers and the tied head/embedding table, one candidate counted once (512 × 64 float32).
+    assert uniform["by_scheme"] == {"int8": {"layers": 36, "bytes": uniform["bytes_uniform"]["int8"]}}
+    linear = [m.weight for n, m in stories_lm(tied=True).named_modules() if ".layers." in n and hasattr(m, "weight")]
+    assert uniform["bytes_full_precision"] == 4 * (sum(w.numel() for w in linear if w.ndim == 2) + 512 * 64)
     assert uniform["measurement"]["passes"] == 0 and uniform["predicted"] is None  # nothing to choose
 
     budget = 3 * uniform["measured_calibration"]
@@ -70,12 +73,18 @@ def test_auto_meets_its_budget_on_held_out_text_with_fewer_bytes_than_uniform_in
     assert auto["predicted"] <= budget and auto["measured_calibration"] <= budget
     assert r["compare"]["kld_mean"] <= budget  # text it was not measured on
     assert auto["by_scheme"]["int4-g32"]["layers"] > 0
-    assert sum(v["layers"] for v in auto["by_scheme"].values()) == 35 and auto["calibration_tokens"] == SMALL["tokens"]
-    assert auto["measurement"] == auto["measurement"] | {"passes": 65, "replayed_blocks": True}  # 35 int8 + 30 int4
+    assert sum(v["layers"] for v in auto["by_scheme"].values()) == 36 and auto["calibration_tokens"] == SMALL["tokens"]
+    assert auto["measurement"] == auto["measurement"] | {"passes": 67, "replayed_blocks": True}  # 36 int8 + 31 int4
     rules = auto["policy"]["rules"]
-    assert r["quant"]["quantized_modules"] == len(rules) == 35 - auto["by_scheme"].get("none", {"layers": 0})["layers"]
+    tied = auto["choice"]["model.embed_tokens"] != "none"  # the head's module quantized with it
+    assert (
+        r["quant"]["quantized_modules"] - tied
+        == len(rules)
+        == 36 - auto["by_scheme"].get("none", {"layers": 0})["layers"]
+    )
     for name, entry in r["quant"]["modules"].items():  # what was applied is what was chosen
-        assert (entry["config"] or "none") == {"int8": "int8", "int4": "int4-g32"}.get(auto["choice"].get(name), "none")
+        chosen = auto["choice"].get(entry.get("tied_to", name))
+        assert (entry["config"] or "none") == {"int8": "int8", "int4": "int4-g32"}.get(chosen, "none"), name
     assert_page_shows_the_choice(tmp_path / "auto" / "report.html", auto)
 
     # The policy file, as a config group option of its own: the same weights, no measurement.
