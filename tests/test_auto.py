@@ -237,16 +237,19 @@ def stories_lm(tied: bool) -> torch.nn.Module:
     return model
 
 
-def small_calibration(cache: Path) -> Calibration:
+@pytest.fixture(scope="module")
+def small_calibration(tmp_path_factory) -> Calibration:
+    """auto_args' calibration text, tokenized once for the tests that build candidates themselves."""
     from lit_ppl.model.spec import ModelSpec
 
-    node = {"path": str(SHAKESPEARE), "cache_dir": str(cache), **SMALL}
+    require_shared()
+    node = {"path": str(SHAKESPEARE), "cache_dir": str(tmp_path_factory.mktemp("calibration")), **SMALL}
     spec = CalibrationSpec.from_cfg(quant_config({"name": "auto", "calibration": node}).calibration, "auto")
     return Calibration(spec, prepare_calibration(spec, ModelSpec(path=str(STORIES)).tokenizer(), None))
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_the_head_and_embeddings_are_candidates_applied_as_measured(tmp_path, tied):
+def test_the_head_and_embeddings_are_candidates_applied_as_measured(small_calibration, tied):
     """The head and the embedding table are candidates (a tied pair one, swapped in both modules), their bytes
     packed as stored, and quant=policy rules applying a choice give the very KLD measured with it installed."""
     from lit_ppl.quant.apply import quantize_model
@@ -257,7 +260,7 @@ def test_the_head_and_embeddings_are_candidates_applied_as_measured(tmp_path, ti
     from lit_ppl.quant.calibrated.stream import Where, ordered_sum
     from lit_ppl.runtime.memory import inner_tensors, tensor_bytes
 
-    model, cal = stories_lm(tied), small_calibration(tmp_path)
+    model, cal = stories_lm(tied), small_calibration
     cfg = quant_config({"name": "auto", "method": "rtn", "group_size": 32, "budget": {"kld": 1.0}})
     candidates = Candidates(model, cfg, ["int8", "int4"], cal, Where())
     emb, head, q = "model.embed_tokens", "lm_head", "model.layers.0.self_attn.q_proj"
@@ -294,10 +297,10 @@ def test_the_head_and_embeddings_are_candidates_applied_as_measured(tmp_path, ti
     assert measured[0] > 0 and torch.equal(applied, measured)  # the same weights: the same bits
 
 
-def test_without_auto_embeddings_only_linear_layers_are_candidates(tmp_path):
+def test_without_auto_embeddings_only_linear_layers_are_candidates(small_calibration):
     from lit_ppl.quant.auto.candidates import Candidates
     from lit_ppl.quant.calibrated.stream import Where
 
     cfg = quant_config({"name": "auto", "method": "rtn", "budget": {"kld": 1.0}, "auto_embeddings": False})
-    candidates = Candidates(stories_lm(tied=False), cfg, ["int8"], small_calibration(tmp_path), Where())
+    candidates = Candidates(stories_lm(tied=False), cfg, ["int8"], small_calibration, Where())
     assert len(candidates.layers) == 35 and all(".layers." in n for n in candidates.layers)
