@@ -304,3 +304,11 @@ def test_without_auto_embeddings_only_linear_layers_are_candidates(small_calibra
     cfg = quant_config({"name": "auto", "method": "rtn", "budget": {"kld": 1.0}, "auto_embeddings": False})
     candidates = Candidates(stories_lm(tied=False), cfg, ["int8"], small_calibration, Where())
     assert len(candidates.layers) == 35 and all(".layers." in n for n in candidates.layers)
+    # A packed int4 kernel (F.linear only) leaves the lookup table int8 or full precision, and an untied head int4.
+    cfg = dataclasses.replace(cfg, auto_embeddings=True, backend="prototype", group_size=32)
+    for tied in (True, False):
+        model = stories_lm(tied).to(torch.bfloat16)
+        candidates = Candidates(model, cfg, ["int8", "int4"], small_calibration, Where())
+        assert candidates.scheme("model.embed_tokens", "int8") is not None
+        assert candidates.scheme("model.embed_tokens", "int4") is None
+        assert (candidates.scheme("lm_head", "int4") is None) == tied

@@ -24,7 +24,7 @@ from lit_ppl.quant.assign import Rule, assign, rules_from_cfg
 from lit_ppl.quant.calibrated.stream import Where
 from lit_ppl.quant.calibrated.text import Calibration
 from lit_ppl.quant.methods import RTN, Choice, Method, Statistics
-from lit_ppl.quant.schemes import Scheme
+from lit_ppl.quant.schemes import NONE, PACKED_INT4, Scheme
 
 
 class Candidates:
@@ -37,7 +37,7 @@ class Candidates:
         self.solved: dict[str, torch.Tensor] = {}  # the costly methods' tensors, built once
         self.twins: dict[str, list[str]] = {}  # a tied weight's first module -> the others holding it
         for kind in kinds:
-            todo, report, targets = assign(lm, _rules(cfg, kind), cfg.backend, cfg.group_fallback)
+            todo, report, targets = assign(lm, _rules(lm, cfg, kind), cfg.backend, cfg.group_fallback)
             experts = sorted(n for n in todo if targets[n].kind == "experts")
             if experts:
                 raise LitPplError(
@@ -85,7 +85,7 @@ class Candidates:
         return quantized, pre
 
 
-def _rules(cfg: QuantConfig, kind: str) -> list[Rule]:
+def _rules(lm: nn.Module, cfg: QuantConfig, kind: str) -> list[Rule]:
     """The rules of the uniform scheme ``kind`` (int4 by ``quant.method``, int8 by round-to-nearest); with
     ``quant.auto_embeddings`` the head and the embeddings take it too, by round-to-nearest."""
     method = cfg.method if kind == "int4" else RTN.name
@@ -94,7 +94,12 @@ def _rules(cfg: QuantConfig, kind: str) -> list[Rule]:
         return rules
     linear = rules[-1]  # the catch-all linear rule (the head rule of quant.head=false before it is dropped)
     why = f"quant=auto {kind} (head and embeddings by {RTN.name})"
-    return [*(Rule(linear.scheme, role=role, why=why) for role in ("head", "embeddings")), linear]
+    roles = {"head": linear.scheme, "embeddings": linear.scheme}
+    if kind == "int4" and cfg.backend in PACKED_INT4:  # the packed kernels run F.linear only: no int4 lookup table
+        why = f"quant.backend={cfg.backend} has no int4 embedding lookup"
+        tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+        roles = {"head": NONE if tied else linear.scheme, "embeddings": NONE}
+    return [*(Rule(scheme, role=role, why=why) for role, scheme in roles.items()), linear]
 
 
 @contextmanager
