@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import STORIES, TINYSTORIES, require_shared, run_entry
 
 from lit_ppl.config.quant import quant_config
@@ -21,6 +22,8 @@ from lit_ppl.config.values import ConfigError, check_calibration
 from lit_ppl.errors import LitPplError
 from lit_ppl.quant.auto.budget import cheapest
 from lit_ppl.quant.auto.policy import POLICY_FILE
+from lit_ppl.quant.calibrated.text import Calibration, CalibrationSpec, prepare_calibration
+from lit_ppl.quant.schemes import Scheme
 
 SHAKESPEARE = STORIES.parent / "tinyshakespeare.txt"
 SMALL = {"tokens": 1024, "seq_len": 256, "batch_size": 2, "grid": 5}
@@ -56,7 +59,10 @@ def test_auto_meets_its_budget_on_held_out_text_with_fewer_bytes_than_uniform_in
         compose(*auto_args(tmp_path, "quant.schemes=[int8]", "quant.budget.kld=100", f"output_dir={tmp_path / 'int8'}"))
     )
     uniform = int8["quant"]["auto"]
-    assert uniform["by_scheme"] == {"int8": {"layers": 35, "bytes": uniform["bytes_uniform"]["int8"]}}
+    # 35 linear layers and the tied head/embedding table, one candidate counted once (512 × 64 float32).
+    assert uniform["by_scheme"] == {"int8": {"layers": 36, "bytes": uniform["bytes_uniform"]["int8"]}}
+    linear = [m.weight for n, m in stories_lm(tied=True).named_modules() if ".layers." in n and hasattr(m, "weight")]
+    assert uniform["bytes_full_precision"] == 4 * (sum(w.numel() for w in linear if w.ndim == 2) + 512 * 64)
     assert uniform["measurement"]["passes"] == 0 and uniform["predicted"] is None  # nothing to choose
 
     budget = 3 * uniform["measured_calibration"]
@@ -68,13 +74,19 @@ def test_auto_meets_its_budget_on_held_out_text_with_fewer_bytes_than_uniform_in
     assert r["compare"]["kld_mean"] == auto["measured_evaluated"] <= budget  # text it was not measured on
     assert auto["met"] == {"predicted": True, "bound": True, "calibration": True, "evaluated": True}
     assert auto["by_scheme"]["int4-g32"]["layers"] > 0
-    assert sum(v["layers"] for v in auto["by_scheme"].values()) == 35 and auto["calibration_tokens"] == SMALL["tokens"]
+    assert sum(v["layers"] for v in auto["by_scheme"].values()) == 36 and auto["calibration_tokens"] == SMALL["tokens"]
     assert auto["measurement"]["passes"] == SMALL["tokens"] // 256  # the estimate: one window a pass
     assert auto["fingerprint"]["sensitivity_method"] == "fisher"
     rules = auto["policy"]["rules"]
-    assert r["quant"]["quantized_modules"] == len(rules) == 35 - auto["by_scheme"].get("none", {"layers": 0})["layers"]
+    tied = auto["choice"]["model.embed_tokens"] != "none"  # the head's module quantized with it
+    assert (
+        r["quant"]["quantized_modules"] - tied
+        == len(rules)
+        == 36 - auto["by_scheme"].get("none", {"layers": 0})["layers"]
+    )
     for name, entry in r["quant"]["modules"].items():  # what was applied is what was chosen
-        assert (entry["config"] or "none") == {"int8": "int8", "int4": "int4-g32"}.get(auto["choice"].get(name), "none")
+        chosen = auto["choice"].get(entry.get("tied_to", name))
+        assert (entry["config"] or "none") == {"int8": "int8", "int4": "int4-g32"}.get(chosen, "none"), name
     assert_page_shows_the_choice(tmp_path / "auto" / "report.html", auto)
 
     # The policy file, as a config group option of its own: the same weights, no measurement.
@@ -208,7 +220,7 @@ def test_gptq_candidates_are_the_weights_the_policy_applies(compose, tmp_path):
     exact = ("quant.method=gptq", "quant.budget.kld=0.05", "quant.sensitivity_method=exact")
     r = evaluate(compose(*auto_args(tmp_path, *exact)))
     auto, modules = r["quant"]["auto"], r["quant"]["modules"]
-    assert auto["measurement"] == auto["measurement"] | {"passes": 65, "replayed_blocks": True}  # 35 int8 + 30 int4
+    assert auto["measurement"] == auto["measurement"] | {"passes": 67, "replayed_blocks": True}  # 36 int8 + 31 int4
     int4 = [n for n, kind in auto["choice"].items() if kind == "int4"]
     assert int4 and all(
         modules[n]["config"] == "int4-g32" and modules[n]["gptq_tokens"] == SMALL["tokens"] for n in int4
@@ -219,8 +231,8 @@ def test_gptq_candidates_are_the_weights_the_policy_applies(compose, tmp_path):
 
 
 def test_the_fisher_estimate_ranks_layers_as_the_exact_measurement_does(tmp_path):
-    """Each int8 layer of stories260K alone: the gradient estimate (4 windows) against the exact measurement
-    (35 passes) on the same calibration text, the same sums over ranks: the same order of sensitivity (rank
+    """Each int8 candidate of stories260K alone (35 linear layers, the tied embedding table): the gradient estimate
+    (4 windows) against the exact measurement (36 passes) on the same calibration text, the same sums over ranks: the same order of sensitivity (rank
     correlation), each estimate within a factor of 3 of its measurement (attention's value projections are the
     furthest: their errors, alike at every position, add up across positions the diagonal does not see)."""
     import statistics
@@ -239,8 +251,97 @@ def test_the_fisher_estimate_ranks_layers_as_the_exact_measurement_does(tmp_path
     exact, passes = measure_layers(model, candidates, Meter(model, cal, 0, 1, 256, "model.layers"), ["int8"], at)
     local, windows = estimate_layers(model, candidates, cal, ["int8"], at, 256)
     estimate = table_from_sums(ordered_sum(local, at), candidates, ["int8"])
-    assert (passes, windows) == (35, 4) and estimate.keys() == exact.keys()
+    assert (passes, windows) == (36, 4) and estimate.keys() == exact.keys()
     pairs = [(estimate[n]["int8"]["kld"], exact[n]["int8"]["kld"]) for n in exact]
     ranks = [sorted(v).index for v in zip(*pairs, strict=True)]
     assert statistics.correlation([ranks[0](e) for e, _ in pairs], [ranks[1](x) for _, x in pairs]) > 0.8
     assert all(1 / 3 < e / x < 3 for e, x in pairs), pairs
+
+
+def stories_lm(tied: bool) -> torch.nn.Module:
+    """stories260K (tied head and embeddings), or a copy whose head holds its own weight (untied)."""
+    from lit_ppl.model.spec import ModelSpec
+
+    require_shared()
+    model = ModelSpec(path=str(STORIES)).build()
+    if not tied:
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone(), requires_grad=False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def small_calibration(tmp_path_factory) -> Calibration:
+    """auto_args' calibration text, tokenized once for the tests that build candidates themselves."""
+    from lit_ppl.model.spec import ModelSpec
+
+    require_shared()
+    node = {"path": str(SHAKESPEARE), "cache_dir": str(tmp_path_factory.mktemp("calibration")), **SMALL}
+    spec = CalibrationSpec.from_cfg(quant_config({"name": "auto", "calibration": node}).calibration, "auto")
+    return Calibration(spec, prepare_calibration(spec, ModelSpec(path=str(STORIES)).tokenizer(), None))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_head_and_embeddings_are_candidates_applied_as_measured(small_calibration, tied):
+    """The head and the embedding table are candidates (a tied pair one, swapped in both modules), their bytes
+    packed as stored, and quant=policy rules applying a choice give the very KLD measured with it installed."""
+    from lit_ppl.quant.apply import quantize_model
+    from lit_ppl.quant.auto.budget import packed_bytes
+    from lit_ppl.quant.auto.candidates import Candidates, installed
+    from lit_ppl.quant.auto.policy import policy_node
+    from lit_ppl.quant.auto.sensitivity import Meter
+    from lit_ppl.quant.calibrated.stream import Where, ordered_sum
+    from lit_ppl.runtime.memory import inner_tensors, tensor_bytes
+
+    model, cal = stories_lm(tied), small_calibration
+    cfg = quant_config({"name": "auto", "method": "rtn", "group_size": 32, "budget": {"kld": 1.0}})
+    candidates = Candidates(model, cfg, ["int8", "int4"], cal, Where())
+    emb, head, q = "model.embed_tokens", "lm_head", "model.layers.0.self_attn.q_proj"
+    assert candidates.layers[0] == emb and candidates.modules(q) == [q]
+    if tied:  # one candidate for the one tensor, after the 35 linear layers' and before nothing
+        assert candidates.modules(emb) == [emb, head] and len(candidates.layers) == 36
+    else:
+        assert candidates.modules(emb) == [emb] and candidates.modules(head) == [head] == candidates.layers[-1:]
+    assert candidates.scheme(emb, "int4") == (Scheme("int4", 32), "rtn")  # int4 by round-to-nearest, any method
+    float_head = model.lm_head.weight
+    picks = {emb: "int4", q: "int8"} | ({} if tied else {head: "int8"})
+    meter = Meter(model, cal, 0, 1, 256, None)
+    with installed(model, {n: candidates.weight(n, k) for n, k in picks.items()}):
+        if tied:
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert type(model.model.embed_tokens.weight).__name__ == "IntxUnpackedToInt8Tensor"
+        measured = ordered_sum(meter.measure(), Where())
+    assert model.lm_head.weight is float_head and (model.model.embed_tokens.weight is float_head) == tied
+
+    # Packed bytes: int8 as torchao's tensor holds its codes and per-row scales (its per-row zero point of the
+    # symmetric grid is 0), int4 half a byte per weight plus per group a scale and a zero point.
+    weight = model.model.embed_tokens.weight
+    held = dict(inner_tensors(candidates.weight(emb, "int8")[0]))
+    assert packed_bytes(Scheme("int8"), weight) == tensor_bytes(held["qdata"]) + tensor_bytes(held["scale"])
+    assert not held["zero_point"].any() and held["qdata"].shape == weight.shape and held["scale"].numel() == 512
+    assert packed_bytes(Scheme("int4", 32), weight) == weight.numel() // 2 + 2 * (weight.numel() // 32) * 4
+
+    policy = policy_node(cfg, {n: candidates.scheme(n, k) for n, k in picks.items()})
+    assert {r["method"] for r in policy["rules"]} == {"rtn"}
+    report = quantize_model(model, dataclasses.replace(cfg, name="policy", rules=policy["rules"]))
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert report.modules[head]["config"] == ("int4-g32" if tied else "int8")
+    applied = ordered_sum(meter.measure(), Where())
+    assert measured[:, 0].sum() > 0 and torch.equal(applied, measured)  # the same weights: the same bits
+
+
+def test_without_auto_embeddings_only_linear_layers_are_candidates(small_calibration):
+    from lit_ppl.quant.auto.candidates import Candidates
+    from lit_ppl.quant.calibrated.stream import Where
+
+    cfg = quant_config({"name": "auto", "method": "rtn", "budget": {"kld": 1.0}, "auto_embeddings": False})
+    candidates = Candidates(stories_lm(tied=False), cfg, ["int8"], small_calibration, Where())
+    assert len(candidates.layers) == 35 and all(".layers." in n for n in candidates.layers)
+    # A packed int4 kernel (F.linear only) leaves the lookup table int8 or full precision, and an untied head int4.
+    cfg = dataclasses.replace(cfg, auto_embeddings=True, backend="prototype", group_size=32)
+    for tied in (True, False):
+        model = stories_lm(tied).to(torch.bfloat16)
+        candidates = Candidates(model, cfg, ["int8", "int4"], small_calibration, Where())
+        assert candidates.scheme("model.embed_tokens", "int8") is not None
+        assert candidates.scheme("model.embed_tokens", "int4") is None
+        assert (candidates.scheme("lm_head", "int4") is None) == tied

@@ -180,6 +180,12 @@ class QuantConfig:
             choices=SENSITIVITY_METHODS,
         ),
     )
+    auto_embeddings: bool = field(
+        default=True,
+        metadata=meta(
+            "auto: the output head and the input embeddings are candidates too (tied: one), by round-to-nearest"
+        ),
+    )
     schemes: list[str] = field(
         default_factory=lambda: list(AUTO_SCHEMES),
         metadata=meta(f"auto: the schemes a layer may get, among {', '.join(AUTO_SCHEMES)}"),

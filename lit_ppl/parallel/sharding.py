@@ -267,9 +267,13 @@ class RowShard:
 
 
 def shard_quantized_rows(lm: nn.Module, names: list[str], group: dist.ProcessGroup) -> None:
-    """Row-shard every quantized linear weight in ``names`` (``module.weight`` names) over ``group``."""
+    """Row-shard every quantized linear weight in ``names`` (``module.weight`` names) over ``group``, but the
+    output head's, which stays whole as FSDP leaves quantized weights: the scorer calls the head once per chunk of
+    this rank's positions, a count the ranks need not share (a gather per call would hang), and a head tied to
+    the embeddings would lose the tie."""
     modules = dict(lm.named_modules())
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     for name in names:
         owner = modules[name.removesuffix(".weight")]
-        if isinstance(owner, nn.Linear) and name.endswith(".weight"):
+        if isinstance(owner, nn.Linear) and name.endswith(".weight") and owner is not head:
             RowShard(owner, group)

@@ -36,6 +36,7 @@ class Scheme:
 
 
 NONE = Scheme("none")
+PACKED_INT4 = ("tinygemm", "prototype")  # int4 kernels of F.linear only (an embedding lookup takes intx)
 
 
 def int4_backend(requested: str, device: torch.device, dtype: torch.dtype, embedding: bool) -> str:

@@ -8,7 +8,9 @@ knapsack solver.
 Bytes are the weights as the scheme stores them packed (:func:`packed_bytes`): full precision in its dtype, int8
 one byte per weight plus a scale per row, int4 half a byte plus a scale and a zero point per group (in the
 weight's dtype); the intx int4 backend holds one code per byte in memory, which ``results.json``'s
-``weight_bytes_after`` shows.
+``weight_bytes_after`` shows. An embedding table packs the same way, a row per token (torchao's ``Int8Tensor``
+holds one scale per row, int4 ``IntxWeightOnlyConfig`` one per group of the row); a tied head and embedding table
+is one tensor, counted once.
 """
 
 from __future__ import annotations

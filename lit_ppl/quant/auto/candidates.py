@@ -3,7 +3,10 @@
 :class:`Candidates` assigns every uniform scheme of ``quant.schemes`` (int4 by ``quant.method`` with the group
 fallback, the others by round-to-nearest) and takes the calibrated methods' statistics once, on the float model,
 reduced over the ranks (:meth:`lit_ppl.quant.methods.Method.observe`); a layer's quantized weight is built when
-asked. :func:`installed` swaps weights (and AWQ's input pre-scales) into the model and restores the float ones.
+asked. With ``quant.auto_embeddings`` the output head and the input embeddings are candidates too, by
+round-to-nearest (AWQ and GPTQ calibrate a linear layer's inputs; a lookup table has none): a tied pair is one
+candidate, named by its first module (:meth:`Candidates.modules` names both). :func:`installed` swaps weights
+(and AWQ's input pre-scales) into the model, in every module sharing the weight, and restores the float ones.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ from torch import nn
 
 from lit_ppl.config.quant import QuantConfig
 from lit_ppl.errors import LitPplError
-from lit_ppl.quant.assign import assign, rules_from_cfg
+from lit_ppl.quant.assign import Rule, assign, rules_from_cfg
 from lit_ppl.quant.calibrated.stream import Where
 from lit_ppl.quant.calibrated.text import Calibration
 from lit_ppl.quant.methods import RTN, Choice, Method, Statistics
-from lit_ppl.quant.schemes import Scheme
+from lit_ppl.quant.schemes import NONE, PACKED_INT4, Scheme
 
 
 class Candidates:
@@ -32,17 +35,18 @@ class Candidates:
         self.lm, self.cfg = lm, cfg
         self.choices: dict[str, dict[str, Choice]] = {}  # kind -> layer -> choice
         self.solved: dict[str, torch.Tensor] = {}  # the costly methods' tensors, built once
+        self.twins: dict[str, list[str]] = {}  # a tied weight's first module -> the others holding it
         for kind in kinds:
-            method = cfg.method if kind == "int4" else RTN.name
-            todo, _, targets = assign(
-                lm, rules_from_cfg(dataclasses.replace(cfg, name=kind, method=method)), cfg.backend, cfg.group_fallback
-            )
-            experts = sorted(n for n in todo if targets[n].kind != "linear")
+            todo, report, targets = assign(lm, _rules(lm, cfg, kind), cfg.backend, cfg.group_fallback)
+            experts = sorted(n for n in todo if targets[n].kind == "experts")
             if experts:
                 raise LitPplError(
-                    f"quant=auto measures linear layers; {experts[0]} is {targets[experts[0]].kind} weights: "
-                    "quantize them with a quant=policy rule"
+                    f"quant=auto measures linear layers, the head and the embeddings; {experts[0]} is fused expert "
+                    "weights: quantize them with a quant=policy rule"
                 )
+            for name, entry in report.items():
+                if "tied_to" in entry and name not in self.twins.setdefault(entry["tied_to"], []):
+                    self.twins[entry["tied_to"]].append(name)
             self.choices[kind] = todo
         calibrated: dict[Method, dict[str, Choice]] = {}
         for name, choice in self.choices.get("int4", {}).items():
@@ -57,6 +61,11 @@ class Candidates:
         """Every layer some scheme can take, in forward order."""
         order = {n: i for i, (n, _) in enumerate(self.lm.named_modules())}
         return sorted({n for todo in self.choices.values() for n in todo}, key=order.__getitem__)
+
+    def modules(self, name: str) -> list[str]:
+        """The modules whose weight the candidate ``name`` replaces: itself, and the modules tied to it (a tied
+        head/embedding table: both)."""
+        return [name, *self.twins.get(name, [])]
 
     def scheme(self, name: str, kind: str) -> tuple[Scheme, str] | None:
         """The scheme (group size fitted) and method name ``kind`` gives ``name``, or ``None`` if it cannot."""
@@ -76,20 +85,45 @@ class Candidates:
         return quantized, pre
 
 
+def _rules(lm: nn.Module, cfg: QuantConfig, kind: str) -> list[Rule]:
+    """The rules of the uniform scheme ``kind`` (int4 by ``quant.method``, int8 by round-to-nearest); with
+    ``quant.auto_embeddings`` the head and the embeddings take it too, by round-to-nearest."""
+    method = cfg.method if kind == "int4" else RTN.name
+    rules = rules_from_cfg(dataclasses.replace(cfg, name=kind, method=method))
+    if not cfg.auto_embeddings:
+        return rules
+    linear = rules[-1]  # the catch-all linear rule (the head rule of quant.head=false before it is dropped)
+    why = f"quant=auto {kind} (head and embeddings by {RTN.name})"
+    roles = {"head": linear.scheme, "embeddings": linear.scheme}
+    if kind == "int4" and cfg.backend in PACKED_INT4:  # the packed kernels run F.linear only: no int4 lookup table
+        why = f"quant.backend={cfg.backend} has no int4 embedding lookup"
+        tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+        roles = {"head": NONE if tied else linear.scheme, "embeddings": NONE}
+    return [*(Rule(scheme, role=role, why=why) for role, scheme in roles.items()), linear]
+
+
 @contextmanager
 def installed(lm: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> Iterator[None]:
-    """The model with these layers' weights (and AWQ input pre-scales) swapped in, restored on exit."""
-    saved, handles = {}, []
+    """The model with these layers' weights (and AWQ input pre-scales) swapped in, restored on exit; a weight
+    other modules share (a tied head and embedding table) is swapped in each of them, so the tie holds."""
+    sharing: dict[int, list[nn.Module]] = {}
+    for module in lm.modules() if weights else ():
+        if isinstance(held := getattr(module, "weight", None), nn.Parameter):
+            sharing.setdefault(id(held), []).append(module)
+    saved: list[tuple[nn.Module, nn.Parameter]] = []
+    handles = []
     try:
         for name, (weight, pre) in weights.items():
             module = lm.get_submodule(name)
-            saved[name] = module.weight
-            module.weight = nn.Parameter(weight, requires_grad=False)
+            new = nn.Parameter(weight, requires_grad=False)
+            for holder in sharing.get(id(module.weight), [module]):
+                saved.append((holder, holder.weight))
+                holder.weight = new
             if pre is not None:
                 handles.append(module.register_forward_pre_hook(lambda _, a, s=pre: (a[0] * s, *a[1:])))
         yield
     finally:
         for h in handles:
             h.remove()
-        for name, weight in saved.items():
-            lm.get_submodule(name).weight = weight
+        for holder, weight in reversed(saved):
+            holder.weight = weight

@@ -45,7 +45,7 @@ class _Probe:
         self.sums = torch.zeros(len(self.layers), len(kinds), 2, dtype=torch.float64)
         self.deltas: dict[str, list[torch.Tensor | None]] = {}
         for name in self.layers:
-            float_weight = lm.get_submodule(modules_of(candidates, name)[0]).weight.detach()
+            float_weight = lm.get_submodule(candidates.modules(name)[0]).weight.detach()
             self.deltas[name] = [
                 None if candidates.scheme(name, kind) is None else _delta(candidates, name, kind, float_weight)
                 for kind in kinds
@@ -59,7 +59,7 @@ class _Probe:
         embed = self.lm.get_input_embeddings()
         handles = [embed.register_forward_hook(lambda _, __, out: out.requires_grad_(True), prepend=True)]
         for u, name in enumerate(self.layers):
-            for module_name in modules_of(candidates, name):
+            for module_name in candidates.modules(name):
                 module = self.lm.get_submodule(module_name)
                 handles.append(module.register_forward_hook(self._watch(u, name, module)))
         try:
@@ -92,11 +92,6 @@ class _Probe:
                 dy = (F.embedding(x, delta) if lookup else F.linear(x, delta)).float()
                 term = 0.5 * (g.square() * dy.square()) if self.mode == 0 else g * dy
                 self.sums[u, j, self.mode] += term.sum(dtype=torch.float64).cpu()
-
-
-def modules_of(candidates: Candidates, name: str) -> list[str]:
-    """The modules whose weight candidate ``name`` replaces (two for a tied head and embedding)."""
-    return candidates.modules(name) if hasattr(candidates, "modules") else [name]
 
 
 def _delta(candidates: Candidates, name: str, kind: str, float_weight: torch.Tensor) -> torch.Tensor:
