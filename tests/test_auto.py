@@ -231,10 +231,11 @@ def test_gptq_candidates_are_the_weights_the_policy_applies(compose, tmp_path):
 
 
 def test_the_fisher_estimate_ranks_layers_as_the_exact_measurement_does(tmp_path):
-    """Each int8 candidate of stories260K alone (35 linear layers, the tied embedding table): the gradient estimate
-    (4 windows) against the exact measurement (36 passes) on the same calibration text, the same sums over ranks: the same order of sensitivity (rank
-    correlation), each estimate within a factor of 3 of its measurement (attention's value projections are the
-    furthest: their errors, alike at every position, add up across positions the diagonal does not see)."""
+    """Each int8 candidate of stories260K alone (35 linear layers, the tied embedding table): the gradient
+    estimate (4 windows) against the exact measurement (36 passes) on the same calibration text, the same sums over
+    ranks: the same order of sensitivity (rank correlation), each estimate within a factor of 3 of its measurement
+    (attention's value projections are the furthest: their errors, alike at every position, add up across positions
+    the diagonal does not see)."""
     import statistics
 
     from test_calibrate import calibration, lm
