@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lit_ppl.config.quant import QuantConfig
 from lit_ppl.errors import UserError
 from lit_ppl.report.html import weight_bytes
 from lit_ppl.report.svg import frontier_chart, standalone
@@ -33,6 +34,7 @@ from lit_ppl.runtime.files import write_text_atomic
 
 SVG, MARKDOWN = "frontier.svg", "frontier.md"
 AUTO, UNIFORM = 0, 1  # series: the auto points are joined, in the line's colour
+PLAIN = QuantConfig.method  # the schema's default method (round-to-nearest): a plain int8 point's label omits it
 
 
 class FrontierError(UserError):
@@ -64,15 +66,15 @@ def label(results: dict[str, Any]) -> str:
     if "auto" in quant:
         ((metric, value),) = quant["auto"]["budget"].items()
         return f"auto@{value:g}" if metric == "kld" else f"auto {metric}@{value:g}"
-    method = ((results.get("config") or {}).get("quant") or {}).get("method", "rtn")
-    return name if name in ("int8", "policy") and method == "rtn" else f"{name} {method}"
+    method = ((results.get("config") or {}).get("quant") or {}).get("method", PLAIN)
+    return name if name in ("int8", "policy") and method == PLAIN else f"{name} {method}"
 
 
 def point(job: str, results: dict[str, Any]) -> Point:
     """The :class:`Point` of one job's ``results.json``."""
     quant, compare = results.get("quant") or {}, results.get("compare") or {}
     auto = quant.get("auto") or {}
-    nbytes = quant.get("weight_bytes_packed") or weight_bytes(results) or 0.0
+    nbytes = weight_bytes(results) or 0.0
     seconds = (auto.get("measurement") or {}).get("seconds") or (quant.get("calibration") or {}).get("seconds")
     source = auto.get("sensitivity_from")
     return Point(

@@ -197,7 +197,10 @@ def frontier_chart(
     for y, name in marks:
         at = axes.y(y)
         parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{at:.1f}" y2="{at:.1f}" class="level"/>')
-        tag = f'<text x="{W - RIGHT - 4}" y="{at - 3:.1f}" text-anchor="end" class="small">{escape(name)}</text>'
+        # At the right end, unless a point (or its label) is there: then at the left end.
+        crowded = any(axes.x(x) > W - RIGHT - 2 * LABEL_W and abs(axes.y(py) - at) < 2 * LABEL_H for x, py, *_ in shown)
+        anchor, tx = ("start", LEFT + 4) if crowded else ("end", W - RIGHT - 4)
+        tag = f'<text x="{tx}" y="{at - 3:.1f}" text-anchor="{anchor}" class="small">{escape(name)}</text>'
         parts.append(tag)
     line = sorted((x, y) for x, y, _, series in shown if series == joined)
     if len(line) > 1:
