@@ -65,12 +65,12 @@ def uniform(name: str, method: str, kld: float, nbytes: int) -> dict:
 
 def test_a_sweep_job_takes_the_first_measured_table_of_its_own_fingerprint(tmp_path, caplog):
     first = str(tmp_path / "0" / "results.json")
-    fake_job(tmp_path, "0", ["+frontier=auto_0.1"], auto(0.1, 0.05, 3 * MIB))
-    fake_job(tmp_path, "1", ["+frontier=auto_0.02"], auto(0.02, 0.01, 4 * MIB, source=first))  # a reuse
-    fake_job(tmp_path, "2", ["+frontier=auto_0.005"], auto(0.005, 0.004, 5 * MIB, FINGERPRINT | {"nll": 2.6}))
-    fake_job(tmp_path, "3", ["+frontier=int8"], uniform("int8", "rtn", 6e-4, 6 * MIB))
-    fake_job(tmp_path, "10", ["+frontier=auto_0.1"], auto(0.1, 0.05, 3 * MIB))  # measured too, later in job order
-    fake_job(tmp_path, "4", ["+frontier=auto_0.1"], None)
+    fake_job(tmp_path, "0", ["frontier=auto_0.1"], auto(0.1, 0.05, 3 * MIB))
+    fake_job(tmp_path, "1", ["frontier=auto_0.02"], auto(0.02, 0.01, 4 * MIB, source=first))  # a reuse
+    fake_job(tmp_path, "2", ["frontier=auto_0.005"], auto(0.005, 0.004, 5 * MIB, FINGERPRINT | {"nll": 2.6}))
+    fake_job(tmp_path, "3", ["frontier=int8"], uniform("int8", "rtn", 6e-4, 6 * MIB))
+    fake_job(tmp_path, "10", ["frontier=auto_0.1"], auto(0.1, 0.05, 3 * MIB))  # measured too, later in job order
+    fake_job(tmp_path, "4", ["frontier=auto_0.1"], None)
     (tmp_path / "4" / "results.json").write_text('{"quant": {"auto":')  # still being written
 
     assert sibling_table(tmp_path, FINGERPRINT) == tmp_path / "0" / "results.json"  # not job 10, nor a reuse
@@ -99,7 +99,7 @@ def test_a_sweep_job_takes_the_first_measured_table_of_its_own_fingerprint(tmp_p
 
 @pytest.fixture
 def frontier_sweep(tmp_path):
-    """Seven jobs as a '+frontier=glob(*)' sweep leaves them (KLDs and bytes made up), and one that failed."""
+    """Seven jobs as a 'frontier=glob(*)' sweep leaves them (KLDs and bytes made up), and one that failed."""
     first = str(tmp_path / "0" / "results.json")
     jobs = [
         ("auto_0.005", auto(0.005, 0.0041, int(0.36 * MIB))),
@@ -111,8 +111,8 @@ def frontier_sweep(tmp_path):
         ("int8", uniform("int8", "rtn", 6e-4, int(0.37 * MIB))),
     ]
     for i, (name, results) in enumerate(jobs):
-        fake_job(tmp_path, str(i), [f"+frontier={name}"], results)
-    fake_job(tmp_path, "7", ["+frontier=int4_hqq"], None)
+        fake_job(tmp_path, str(i), [f"frontier={name}"], results)
+    fake_job(tmp_path, "7", ["frontier=int4_hqq"], None)
     return tmp_path
 
 
@@ -185,7 +185,7 @@ def test_a_frontier_sweep_measures_one_table_and_draws_its_jobs(tmp_path):
     args += ["eval.seq_len=128", "compare=unquantized", "report.plots=false", "report.html=false"]
     args += ["quant.group_size=32", *(f"quant.calibration.{k}={v}" for k, v in calibration.items())]
     args += ["quant.method=rtn", "quant.schemes=[none,int4]"]  # the cheapest table: 30 passes, no calibration
-    args.append("+frontier=auto_0.1,auto_0.02")
+    args.append("frontier=auto_0.1,auto_0.02")
     proc, sweep_dir = sweep(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = (json.loads((sweep_dir / str(i) / "results.json").read_text()) for i in range(2))

@@ -3,10 +3,10 @@
 ::
 
     python -m lit_ppl.validate -m model=hf model.path=... data=... compare=unquantized \\
-        quant.calibration.path=CALIBRATION.txt '+frontier=glob(*)'
+        quant.calibration.path=CALIBRATION.txt 'frontier=glob(*)'
     python -m lit_ppl.report frontier SWEEP_DIR      # again, from the finished jobs
 
-``+frontier=glob(*)`` (``conf/frontier/``) runs uniform int8, int4 by round-to-nearest, AWQ and GPTQ, and
+``frontier=glob(*)`` (``conf/frontier/``) runs uniform int8, int4 by round-to-nearest, AWQ and GPTQ, and
 ``quant=auto`` at three budgets; the auto jobs measure their sensitivity table once (:mod:`lit_ppl.quant.auto.reuse`).
 At the end of the sweep :class:`lit_ppl.report.sweep.SweepSummary` writes ``frontier.svg`` and ``frontier.md`` into
 the sweep directory: one point per job with a comparison (``compare.kld_mean``), at its packed weight bytes
@@ -161,7 +161,7 @@ def write_frontier(sweep_dir: str | Path, output_subdir: str | None = ".hydra") 
     if not any(p.kld is not None and p.kld > 0 for p in points):
         raise FrontierError(
             f"{sweep_dir}: none of its {len(points)} finished jobs measured a KLD above 0: run the sweep with "
-            "compare=unquantized (and a quant option per job, e.g. '+frontier=glob(*)')"
+            "compare=unquantized (and a quant option per job, e.g. 'frontier=glob(*)')"
         )
     table = markdown(points, missing)
     write_text_atomic(sweep_dir / SVG, standalone(svg(points)))
