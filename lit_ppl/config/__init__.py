@@ -60,21 +60,6 @@ def register() -> None:
     """Put the schema in Hydra's ConfigStore and the ``--help`` renderer in OmegaConf's resolvers (idempotent)."""
     ConfigStore.instance().store(name=SCHEMA_NAME, node=ValidateConfig)
     OmegaConf.register_new_resolver("lit_ppl_help", help_resolver, replace=True)
-    OmegaConf.register_new_resolver("lit_ppl_sweep_dir", sweep_dir, replace=True)
-
-
-def sweep_dir() -> str | None:
-    """``${lit_ppl_sweep_dir:}``: the absolute directory of the ``-m`` sweep this job is part of, else null (a single
-    run, or a rank Lightning relaunched from the job's own overrides: rank 0 decides for it)."""
-    from pathlib import Path
-
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
-        return None
-    hydra = HydraConfig.get()
-    return str(Path(hydra.runtime.cwd or ".", hydra.sweep.dir).absolute())
 
 
 def check(cfg: DictConfig) -> None:

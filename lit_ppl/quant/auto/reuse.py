@@ -4,9 +4,9 @@ table of a sibling job (a ``results.json`` under the same sweep directory) measu
 The fingerprint (:func:`lit_ppl.quant.auto.search.choose_policy`: schemes, method, group size, layers, calibration
 tokens and the float model's NLL on them, ...) is compared whole, so a sibling measured for another model, text or
 scheme set is never taken; :func:`lit_ppl.quant.auto.table.load_table` then checks the table itself. The sweep
-directory arrives as ``quant.sweep_dir`` (``conf/validate.yaml`` sets it from Hydra's ``hydra.sweep.dir`` in a
-multirun, null otherwise). Rank 0's choice is broadcast, so every rank reads the same table even while a parallel
-launcher's sibling finishes between the ranks' searches.
+directory arrives as ``quant.sweep_dir`` (the Hydra entry, :mod:`lit_ppl.validate`, sets it from ``hydra.sweep.dir``
+in a multirun; null otherwise). Rank 0's choice is broadcast, so every rank reads the same table even while a
+parallel launcher's sibling finishes between the ranks' searches.
 """
 
 from __future__ import annotations
