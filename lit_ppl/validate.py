@@ -69,6 +69,7 @@ def main(cfg: DictConfig) -> None:
         # Relative paths (data.path, output_dir, ...) mean what they meant where the run was started, whether or
         # not hydra.job.chdir=true moved into the run directory.
         os.chdir(HydraConfig.get().runtime.cwd)
+        _with_sweep_dir(cfg)
     # Imported here: composing the config (--help, --cfg job) needs neither torch nor Lightning.
     from lit_ppl.evaluation.resume import Preempted, install_signal_handlers, requeue_if_slurm
     from lit_ppl.run import evaluate, exit_for
@@ -80,6 +81,15 @@ def main(cfg: DictConfig) -> None:
         if isinstance(err, Preempted):
             requeue_if_slurm()
         _fail(*exit_for(err))
+
+
+def _with_sweep_dir(cfg: DictConfig) -> None:
+    """A job of a ``-m`` sweep: ``quant.sweep_dir`` (unless given), where ``quant=auto`` looks for a sibling job's
+    sensitivity table (:mod:`lit_ppl.quant.auto.reuse`). Ranks Lightning relaunches run a single job: rank 0's
+    choice reaches them."""
+    hydra = HydraConfig.get()
+    if hydra.mode == RunMode.MULTIRUN and cfg.quant.get("sweep_dir") is None:
+        cfg.quant.sweep_dir = str(Path(hydra.runtime.cwd, hydra.sweep.dir).absolute())
 
 
 def _reraise(err: BaseException) -> NoReturn:

@@ -19,6 +19,7 @@ from conftest import ROOT, run_entry
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
 from omegaconf import OmegaConf
 
 from lit_ppl import config
@@ -171,6 +172,7 @@ def _compose(*overrides: str):
         return hydra_compose("validate", overrides=["output_dir=out", *overrides])
 
 
+FRONTIER_AUTO = ("auto_0.005", "auto_0.02", "auto_0.1")  # the frontier's quant=auto points
 # What a preset leaves to the user (`???`) to be composable on its own.
 REQUIRED = {
     "model/hf": ["model.path=/ckpt"],
@@ -179,7 +181,9 @@ REQUIRED = {
     "quant/gptq": ["quant.calibration.path=c.txt"],
     "quant/auto": ["quant.calibration.path=c.txt", "quant.budget.kld=0.01"],
     "compare/saved": ["compare.reference.store=/refs"],
+    **{f"frontier/{p}": ["quant.calibration.path=c.txt"] for p in ("int4_awq", "int4_gptq", *FRONTIER_AUTO)},
 }
+GLOBAL = ("strategy", "frontier")  # groups whose presets are `@package _global_`
 OPTIONS = sorted(f"{p.parent.name}/{p.stem}" for p in Path(conf_dir()).glob("*/*.yaml") if p.parent.name != "hydra")
 
 
@@ -191,7 +195,8 @@ def test_every_preset_composes_and_passes_the_schema(option):
     assert OmegaConf.get_type(cfg) is config.ValidateConfig
     # Every value the preset sets arrives unchanged (strategy presets are `@package _global_`).
     preset = OmegaConf.to_container(OmegaConf.load(Path(conf_dir()) / group / f"{name}.yaml"))
-    composed = OmegaConf.to_container(cfg if group == "strategy" else cfg[group] or OmegaConf.create())
+    composed = OmegaConf.to_container(cfg if group in GLOBAL else cfg[group] or OmegaConf.create())
+    preset.pop("defaults", None)  # a frontier point's `override /quant: ...`, checked by the values it sets
     given = {o.split("=")[0].split(".", 1)[1] for o in REQUIRED.get(option, [])}
     flat = _flat(composed)
     for key, value in _flat(preset).items():
@@ -323,6 +328,10 @@ def test_readme_first_command_prints_a_real_models_perplexity(tmp_path):
 
 def _sweep_lines(override) -> typing.Iterator[str]:
     key = override.get_key_element()
+    if override.value_type == ValueType.GLOB_CHOICE_SWEEP:  # frontier=glob(*): the group's options, as Hydra lists them
+        options = sorted(p.stem for p in (Path(conf_dir()) / override.key_or_group).glob("*.yaml"))
+        yield from (f"{key}={value}" for value in override.value().filter(options))
+        return
     for value in override.sweep_string_iterator():
         yield f"{key}={value}"
 

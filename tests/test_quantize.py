@@ -66,6 +66,21 @@ def test_every_config_runs_and_changes_ppl(runs):
     assert "IntxWeightOnlyConfig" in runs["int4-g32"]["quant"]["backend"]["int4-g32 (intx)"]  # fp32 on CPU
 
 
+def test_packed_bytes_count_int4_at_half_a_byte_whatever_the_cpu_kernel_holds(runs):
+    q = runs["int4-g32"]["quant"]
+    int4 = [m for m in q["modules"].values() if m["config"] == "int4-g32"]
+    numel = [m["bytes_before"] // 4 for m in int4]  # float32 weights
+    # Half a byte per weight, and a float32 scale and zero point per group of 32.
+    assert [m["bytes_packed"] for m in int4] == [n // 2 + 2 * (n // 32) * 4 for n in numel]
+    saved = sum(m["bytes_before"] - m["bytes_packed"] for m in int4)
+    assert q["weight_bytes_packed"] == q["weight_bytes_before"] - saved < q["weight_bytes_after"]  # unpacked on CPU
+    q8 = runs["int8"]["quant"]
+    int8 = [m for m in q8["modules"].values() if m["config"] == "int8"]
+    saved = sum(m["bytes_before"] - m["bytes_packed"] for m in int8)
+    assert q8["weight_bytes_packed"] == q8["weight_bytes_before"] - saved
+    assert all(m["bytes_before"] // 4 < m["bytes_packed"] < m["bytes_before"] // 3 for m in int8)  # a byte + row scales
+
+
 def test_int4_skip_report_lists_every_layer_the_group_cannot_take(runs):
     q = runs["int4-g32"]["quant"]
     down = {f"model.layers.{i}.mlp.down_proj" for i in range(LAYERS)}

@@ -6,7 +6,7 @@ from typing import Any
 
 # Keys of a node that never change what is scored: the class that reads it, where caches live, how many
 # processes tokenize, and whether rank 0 broadcasts quantized weights or every rank quantizes (the same weights).
-IGNORED = {"model": ("_target_",), "data": ("_target_", "cache_dir", "num_proc"), "quant": ("source",)}
+IGNORED = {"model": ("_target_",), "data": ("_target_", "cache_dir", "num_proc"), "quant": ("source", "sweep_dir")}
 EVAL_NUMBER_KEYS = ("mode", "seq_len", "stride")
 # What may change between attempts of one run without changing what its saved progress holds (the batch plan,
 # batch_size and autobatch, is checked as resolved: lit_ppl.data.batch_plan).

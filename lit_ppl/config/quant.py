@@ -191,6 +191,13 @@ class QuantConfig:
         metadata=meta(f"auto: the schemes a layer may get, among {', '.join(AUTO_SCHEMES)}"),
     )
     gptq: GptqConfig = field(default_factory=GptqConfig, metadata=meta("GPTQ's options"))
+    sweep_dir: str | None = field(
+        default=None,
+        metadata=meta(
+            "auto: a -m sweep's directory (set by the sweep): with sensitivity null, a sibling job's table measured "
+            "for the same fingerprint is reused"
+        ),
+    )
 
 
 @dataclass

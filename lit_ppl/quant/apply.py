@@ -27,6 +27,7 @@ from lit_ppl.config.values import GROUP_SIZES
 from lit_ppl.errors import LitPplError
 from lit_ppl.parallel.ranks import world
 from lit_ppl.quant.assign import assign, rules_from_cfg
+from lit_ppl.quant.auto.budget import packed_bytes
 from lit_ppl.quant.calibrated.awq import PRE_SCALE
 from lit_ppl.quant.calibrated.split import TpView
 from lit_ppl.quant.calibrated.stream import Where
@@ -56,6 +57,9 @@ def quantize_model(lm: nn.Module, cfg: QuantConfig, calibration: Any = None, tp:
     _check_assigned(lm, report, todo, targets)
     before = {n: tensor_bytes(t.weight(lm)) for n, t in targets.items()}
     twins = {n: e["tied_to"] for n, e in report.modules.items() if "tied_to" in e}
+    packed = {n: packed_bytes(c.scheme, targets[n].weight(lm)) for n, c in todo.items()}
+    saved = sum(before[n] - packed[n] for n in todo if n not in twins)  # a tied twin is the same tensor, counted once
+    report.weight_bytes_packed = report.weight_bytes_before - saved
     rank, size = world()
     broadcast = cfg.source == "rank0" and size > 1
     experts = {n for n in todo if targets[n].kind == "experts"}
@@ -72,6 +76,7 @@ def quantize_model(lm: nn.Module, cfg: QuantConfig, calibration: Any = None, tp:
         modules[second].weight = modules[first].weight
     for name, entry in report.modules.items():
         entry["bytes_before"], entry["bytes_after"] = before[name], tensor_bytes(targets[name].weight(lm))
+        entry["bytes_packed"] = packed.get(name, before[name])
     _finish_report(lm, report, tp)
     return report
 

@@ -18,6 +18,7 @@ class QuantReport:
     modules: dict[str, dict[str, Any]] = field(default_factory=dict)
     weight_bytes_before: int = 0
     weight_bytes_after: int = 0
+    weight_bytes_packed: int = 0  # as the schemes store them packed (int4: two a byte), whatever the kernel's layout
     quantized_params: list[str] = field(default_factory=list)  # names in lm.named_parameters()
     full_precision_bytes: int = 0  # parameters left unquantized (norms, biases, skipped and excluded layers)
     converted: dict[str, str] = field(default_factory=dict)  # modules made nn.Linear first: name -> former class
@@ -55,6 +56,7 @@ class QuantReport:
             "backend": self.backend,
             "weight_bytes_before": self.weight_bytes_before,
             "weight_bytes_after": self.weight_bytes_after,
+            "weight_bytes_packed": self.weight_bytes_packed,
             "quantized_modules": self.quantized_modules,
             "full_precision_bytes": self.full_precision_bytes,
             "full_precision_fraction": self.full_precision_fraction,

@@ -222,8 +222,11 @@ def write_run_page(path: str | Path, results: dict[str, Any], text: dict[str, An
 
 
 def weight_bytes(run: dict[str, Any]) -> float | None:
-    """The model's weight bytes: the quantization's count, else one replica's share of the ranks' bytes."""
+    """The model's weight bytes: the quantization's count (packed, as its schemes store them, where recorded: CPU
+    kernels hold int4 unpacked), else one replica's share of the ranks' bytes."""
     quant = run.get("quant") or {}
+    if quant.get("weight_bytes_packed"):
+        return float(quant["weight_bytes_packed"])
     if quant.get("weight_bytes_after"):
         return float(quant["weight_bytes_after"])
     held = run.get("rank_weight_bytes")

@@ -116,6 +116,11 @@ RESULT_KEYS: tuple[ResultKey, ...] = (
     ResultKey("quant.backend", "dict", "per scheme: the torchao config and tensor type used"),
     ResultKey("quant.weight_bytes_before", "int", "the model's weight bytes before quantization"),
     ResultKey("quant.weight_bytes_after", "int", "and after, as held in memory"),
+    ResultKey(
+        "quant.weight_bytes_packed",
+        "int",
+        "and after, as the schemes store them packed (int4 two a byte: CPU kernels hold it unpacked)",
+    ),
     ResultKey("quant.quantized_modules", "int", "modules quantized"),
     ResultKey("quant.full_precision_bytes", "int", "weight bytes left in full precision"),
     ResultKey("quant.full_precision_fraction", "float", "their share of the weight bytes"),

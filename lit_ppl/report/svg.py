@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from html import escape
+from pathlib import Path
 
 W, H = 720, 280  # the drawing, in CSS pixels
 LEFT, RIGHT, TOP, BOTTOM = 64, 16, 26, 44  # the legend goes above the frame
+LABEL_W, LABEL_H = 90, 11  # room a point's label takes, in CSS pixels (10 px text)
 COLOURS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2")
 
 
@@ -148,20 +150,69 @@ def bar_chart(
     return _svg(parts, title)
 
 
+def _points(axes: Axes, shown: Sequence[tuple[float, float, str, int]]) -> list[str]:
+    """A circle and a label per point, coloured by series, with its numbers on hover."""
+    parts: list[str] = []
+    placed: list[tuple[float, float]] = []  # labels' anchors so far: a label never covers another
+    for x, y, name, series in sorted(shown, key=lambda p: axes.y(p[1])):
+        cx, cy = axes.x(x), axes.y(y)
+        colour, tip = COLOURS[series % len(COLOURS)], f"{name}: {label(x)}, {y:.4g}"
+        right = cx > 0.7 * W  # a label near the right edge goes to the point's left
+        anchor, tx = ("end", cx - 7) if right else ("start", cx + 7)
+        ty = cy - 7
+        while any(abs(ty - py) < LABEL_H and abs(tx - px) < LABEL_W for px, py in placed):
+            ty += LABEL_H  # points close together (same bytes, similar KLD): their labels stack downwards
+        placed.append((tx, ty))
+        parts.append(
+            f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="5" fill="{colour}" class="point"><title>{escape(tip)}</title>'
+            f'</circle><text x="{tx:.1f}" y="{ty:.1f}" text-anchor="{anchor}" class="small">{escape(name)}</text>'
+        )
+    return parts
+
+
 def points_chart(
     points: Sequence[tuple[float, float, str, int]], x_label: str, y_label: str, title: str, log_y: bool = False
 ) -> str:
     """Labelled points ``(x, y, label, series)``, coloured by series."""
     shown = [p for p in points if not log_y or p[1] > 0]
     axes = Axes([p[0] for p in shown], [p[1] for p in shown], False, log_y, True)
+    return _svg([*axes.frame(x_label, y_label), *_points(axes, shown)], title)
+
+
+def frontier_chart(
+    points: Sequence[tuple[float, float, str, int]],
+    joined: int,
+    levels: Sequence[tuple[float, str]],
+    x_label: str,
+    y_label: str,
+    title: str,
+) -> str:
+    """Labelled points ``(x, y, label, series)`` on a log y axis (positive ys only), those of series ``joined``
+    linked by a line in x order (series 0 is the line's colour), and each level ``(y, label)`` a dashed horizontal
+    line labelled at its right end."""
+    shown = [p for p in points if p[1] > 0]
+    marks = [(y, name) for y, name in levels if y > 0]
+    axes = Axes([p[0] for p in shown], [p[1] for p in shown] + [y for y, _ in marks], False, True, False)
     parts = axes.frame(x_label, y_label)
-    for x, y, name, series in shown:
-        cx, cy = axes.x(x), axes.y(y)
-        colour, tip = COLOURS[series % len(COLOURS)], f"{name}: {label(x)}, {y:.4g}"
-        right = cx > 0.7 * W  # a label near the right edge goes to the point's left
-        anchor, tx = ("end", cx - 7) if right else ("start", cx + 7)
-        parts.append(
-            f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="5" fill="{colour}" class="point"><title>{escape(tip)}</title>'
-            f'</circle><text x="{tx:.1f}" y="{cy - 7:.1f}" text-anchor="{anchor}" class="small">{escape(name)}</text>'
-        )
-    return _svg(parts, title)
+    for y, name in marks:
+        at = axes.y(y)
+        parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{at:.1f}" y2="{at:.1f}" class="level"/>')
+        # At the right end, unless a point (or its label) is there: then at the left end.
+        crowded = any(axes.x(x) > W - RIGHT - 2 * LABEL_W and abs(axes.y(py) - at) < 2 * LABEL_H for x, py, *_ in shown)
+        anchor, tx = ("start", LEFT + 4) if crowded else ("end", W - RIGHT - 4)
+        tag = f'<text x="{tx}" y="{at - 3:.1f}" text-anchor="{anchor}" class="small">{escape(name)}</text>'
+        parts.append(tag)
+    line = sorted((x, y) for x, y, _, series in shown if series == joined)
+    if len(line) > 1:
+        parts.append(f'<path d="{_path(axes, line)}" class="line"/>')
+    return _svg([*parts, *_points(axes, shown)], title)
+
+
+def standalone(svg: str) -> str:
+    """One chart as an SVG file of its own: the namespace, and ``report.css``'s chart rules inside it."""
+    css = Path(__file__).with_name("report.css").read_text(encoding="utf-8").splitlines()
+    rules = "\n".join(line for line in css if line.startswith("svg.chart"))
+    head = '<svg xmlns="http://www.w3.org/2000/svg" '
+    return f'<?xml version="1.0" encoding="UTF-8"?>\n{svg.replace("<svg ", head, 1)}'.replace(
+        "<title>", f"<style>{rules}\nsvg.chart {{ background: #fff; }}</style><title>", 1
+    )

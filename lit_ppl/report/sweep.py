@@ -1,4 +1,5 @@
-"""Hydra sweeps: one summary table (Markdown and CSV) of all the runs of a ``-m`` sweep.
+"""Hydra sweeps: one summary table (Markdown and CSV) of all the runs of a ``-m`` sweep, and the quantization
+frontier of the jobs that compared (:mod:`lit_ppl.report.frontier`).
 
 ::
 
@@ -71,7 +72,7 @@ def _job_overrides(job_dir: Path, output_subdir: str | None) -> dict[str, str]:
     return dict(_split_override(o) for o in OmegaConf.load(path))
 
 
-def _results_path(job_dir: Path, output_subdir: str | None) -> Path:
+def results_path(job_dir: Path, output_subdir: str | None) -> Path:
     """``results.json`` of a job: in its directory, or where its config's literal ``output_dir`` points."""
     path = job_dir / "results.json"
     saved = job_dir / output_subdir / "config.yaml" if output_subdir else None
@@ -91,7 +92,7 @@ def summarize(sweep_dir: str | Path, output_subdir: str | None = ".hydra") -> li
     sweep_dir = Path(sweep_dir)
     jobs = []
     for job_dir in find_jobs(sweep_dir, output_subdir):
-        path = _results_path(job_dir, output_subdir)
+        path = results_path(job_dir, output_subdir)
         results = json.loads(path.read_text()) if path.is_file() else None
         jobs.append((job_dir, _job_overrides(job_dir, output_subdir), results))
     keys = list(dict.fromkeys(k for _, overrides, _ in jobs for k in overrides))
@@ -217,3 +218,10 @@ class SweepSummary(Callback):
             return
         md, csv_path, markdown = write_summary(sweep_dir, config.hydra.output_subdir)
         print(f"\nsweep summary ({sweep_dir}):\n\n{markdown}\nsummary: {md} · {csv_path}")
+        from lit_ppl.report.frontier import FrontierError, write_frontier
+
+        try:  # jobs that compared quantizations: the frontier of bytes against KLD
+            svg, frontier_md, _ = write_frontier(sweep_dir, config.hydra.output_subdir)
+            print(f"frontier: {svg} · {frontier_md}")
+        except FrontierError:
+            pass  # no job with a comparison: a sweep of something else

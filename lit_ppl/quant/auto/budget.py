@@ -88,7 +88,7 @@ def packed_bytes(scheme: Scheme, weight: torch.Tensor) -> int:
     if scheme.kind == "none":
         return tensor_bytes(weight)
     rows = numel // weight.shape[-1]
-    if scheme.kind == "int8":
+    if scheme.kind in ("int8", "int8dq"):  # int8dq: the same int8 weights per row, activations quantized on the fly
         return numel + rows * size
     return numel // 2 + 2 * (numel // scheme.group_size) * size
 

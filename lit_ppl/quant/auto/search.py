@@ -36,6 +36,7 @@ from lit_ppl.quant.auto.budget import Budget, Option, cheapest, packed_bytes, re
 from lit_ppl.quant.auto.candidates import Candidates, installed
 from lit_ppl.quant.auto.fisher import estimate_layers
 from lit_ppl.quant.auto.policy import policy_node
+from lit_ppl.quant.auto.reuse import with_sibling_table
 from lit_ppl.quant.auto.sensitivity import Meter
 from lit_ppl.quant.auto.table import Table, load_table, measure_layers, table_from_sums
 from lit_ppl.quant.calibrated.stream import Where, block_of, ordered_rows, ordered_sum
@@ -187,6 +188,7 @@ def choose_policy(
         "tokens": int(base[3]),
         "nll": float(base[2] / base[3]),  # the float model's mean NLL on the calibration text: model, text, dtype
     }
+    cfg = with_sibling_table(cfg, fingerprint)  # a -m sweep: a sibling job measured this table already
     t1 = time.perf_counter()
     table, passes = _table(lm, cfg, candidates, meter, calibration, kinds, fingerprint, at)
     t2 = time.perf_counter()
