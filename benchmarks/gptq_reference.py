@@ -179,25 +179,26 @@ def main() -> None:
         for act_order in (False, True):
             t1 = time.perf_counter()
             lit, rtn = lit_solve(p, act_order)
-            row = {"layer": name.removeprefix("model.layers."), "g": p["group"], "act": "on" if act_order else "off"}
-            row |= {"s_lit": time.perf_counter() - t1, "rtn": _err(p, rtn), "lit": _err(p, lit)}
+            row: dict[str, Any] = {"layer": name.removeprefix("model.layers."), "g": p["group"]}
+            row |= {"act": "on" if act_order else "off", "s_lit": time.perf_counter() - t1}
+            err = _err(p, lit)
+            row |= {"rtn err": f"{_err(p, rtn):.4g}", "lit err": f"{err:.4g}", "lit/rtn": err / _err(p, rtn)}
             for label in ("ist", "ist_bg", "llmc"):
                 key = f"{name}|{int(act_order)}|{label}"
                 if key in ref:
-                    row[label] = _err(p, ref[key])
-                    row[f"lit/{label}"] = row["lit"] / row[label]
+                    row[f"lit/{label}"] = err / _err(p, ref[key])
                     row[f"max|Δ| {label}"] = float((lit - ref[key]).abs().max())
+                    row[f"s_{label}"] = float(ref[f"{key}|s"])
             rows.append(row)
             print(table(rows[-1:], list(rows[-1])), flush=True)
-    cols = list(rows[0])
-    print(table(rows, cols))
+    print(table(rows, list(rows[0])))
     for act in ("off", "on"):
         sub = [r for r in rows if r["act"] == act]
         for label in ("ist", "ist_bg", "llmc"):
             ratios = [r[f"lit/{label}"] for r in sub if f"lit/{label}" in r]
             if ratios:
                 print(f"act-order {act}: lit/{label} min {min(ratios):.4f} max {max(ratios):.4f} over {len(ratios)}")
-        print(f"act-order {act}: lit/rtn mean {sum(r['lit'] / r['rtn'] for r in sub) / len(sub):.3f}")
+        print(f"act-order {act}: lit/rtn mean {sum(r['lit/rtn'] for r in sub) / len(sub):.3f}")
 
 
 def _err(p: dict[str, Any], q: torch.Tensor) -> float:
