@@ -187,7 +187,7 @@ def main() -> None:
                 key = f"{name}|{int(act_order)}|{label}"
                 if key in ref:
                     row[f"lit/{label}"] = err / _err(p, ref[key])
-                    row[f"max|Δ| {label}"] = float((lit - ref[key]).abs().max())
+                    row[f"max abs Δ {label}"] = float((lit - ref[key]).abs().max())
                     row[f"s_{label}"] = float(ref[f"{key}|s"])
             rows.append(row)
             print(table(rows[-1:], list(rows[-1])), flush=True)
