@@ -13,11 +13,11 @@ run; this is the same algorithm (Frantar et al. 2022, Algorithm 1) written again
 The rounding grid of a column is the one torchao's config would choose: the scales and zero points come from
 the config's own handler applied to the group's columns as the lazy updates left them when the block of columns
 holding the group's first one began, as the authors' code reads them (IST-DASLab/gptq, GPTQModel: ``W``, not the
-block's updated copy: equal reconstruction error on SmolLM2, benchmarks/gptq_reference.py, where the copy's grid
-was up to 4% worse on a layer); ``act_order``: to the original weight, "static groups", since columns of a
-group are then not quantized together. A column's codes are ``clamp(round(w · (1/scale)) + zero)`` exactly
-as ``quantize_affine`` computes them. The result is torchao's own tensor (``IntxUnpackedToInt8Tensor``,
-``Int8Tensor``) holding these codes: its kernels, its bytes, its hash.
+block's updated copy; measured on SmolLM2 against it in benchmarks/gptq_reference.py, and a lower error than
+the block's copy gives); ``act_order``: to the original weight, "static groups", since columns of a group are then
+not quantized together. A column's codes are
+``clamp(round(w · (1/scale)) + zero)`` exactly as ``quantize_affine`` computes them. The result is torchao's own
+tensor (``IntxUnpackedToInt8Tensor``, ``Int8Tensor``) holding these codes: its kernels, its bytes, its hash.
 Built from the codes, not by re-rounding ``dequantize(GPTQ)``: torchao's round-to-nearest would re-derive a
 group's scale from its largest dequantized value and, where that code is −8 (or an error-fed column moved the
 maximum), choose a different scale, so only the codes themselves reproduce GPTQ exactly.
