@@ -11,11 +11,8 @@ run; this is the same algorithm (Frantar et al. 2022, Algorithm 1) written again
    once, then to the rest with one matmul).
 
 The rounding grid of a column is the one torchao's config would choose: the scales and zero points come from
-the config's own handler applied to the group's columns as the lazy updates left them when the block of columns
-holding the group's first one began, as the authors' code reads them (IST-DASLab/gptq, GPTQModel: ``W``, not the
-block's updated copy; measured on SmolLM2 against it in benchmarks/gptq_reference.py, and a lower error than
-the block's copy gives); ``act_order``: to the original weight, "static groups", since columns of a group are then
-not quantized together. A column's codes are
+the config's own handler applied to the group's current columns (``act_order``: to the original weight, "static
+groups", since columns of a group are then not quantized together), and a column's codes are
 ``clamp(round(w · (1/scale)) + zero)`` exactly as ``quantize_affine`` computes them. The result is torchao's own
 tensor (``IntxUnpackedToInt8Tensor``, ``Int8Tensor``) holding these codes: its kernels, its bytes, its hash.
 Built from the codes, not by re-rounding ``dequantize(GPTQ)``: torchao's round-to-nearest would re-derive a
@@ -129,8 +126,8 @@ def _solve(
         for i in range(i2 - i1):
             col = int(perm[i1 + i])
             j = col // g
-            if not static and col % g == 0:  # a group starts: its grid from W as the earlier blocks left it
-                grid(j, W[:, i1 + i : i1 + i + g])
+            if not static and col % g == 0:  # a group starts: its grid from its columns as the errors left them
+                grid(j, W1[:, i : i + g])
             s, z = scale[:, j], zero[:, j]
             q = codes(W1[:, i].to(dtype), s, z, qmin, qmax)
             Q[:, i1 + i] = q.to(torch.int8)
