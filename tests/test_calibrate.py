@@ -321,9 +321,10 @@ def test_gptq_on_uncorrelated_inputs_is_torchaos_round_to_nearest_bit_for_bit():
 
 
 def textbook_gptq(w: torch.Tensor, xtx: torch.Tensor, g: int, act_order: bool, damp: float = 0.01) -> torch.Tensor:
-    """Frantar et al.'s Algorithm 1 one column at a time (no lazy blocks), the authors' grid (symmetric int4: scale
-    ``amax / 7.5``, codes −8…7; a group's grid from its columns as the errors left them, from the original weight
-    with act-order's static groups), dequantized."""
+    """Frantar et al.'s Algorithm 1 one column at a time (no lazy blocks), the authors' symmetric int4 grid (scale
+    ``amax / 7.5``, codes −8…7), a group's from its columns as the errors left them (the authors' code reads it
+    before its lazy block's own feedback: benchmarks/README.md), act-order's static groups from the original
+    weight; dequantized."""
     W, H = w.double().clone(), xtx.clone()
     dead = H.diagonal() == 0
     H[dead, dead], W[:, dead] = 1.0, 0.0
