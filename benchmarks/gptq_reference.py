@@ -3,14 +3,15 @@
 lit-ppl's own statistics (:func:`lit_ppl.quant.calibrated.gptq.gptq_hessians`) capture ``XᵀX`` of every linear
 layer of the chosen decoder blocks on the calibration text; each layer is quantized to int4 with the group size
 lit-ppl gives it (``quant.group_fallback``: SmolLM2's 576-wide inputs take g64 at g128) and torchao's symmetric
-grid, act-order off and on, by
+grid (lit-ppl's int4: ``IntxWeightOnlyConfig``'s default, scale ``amax/7.5``, codes −8…7), act-order off and on, by
 
 - ``lit``: :func:`lit_ppl.quant.calibrated.gptq_solver.gptq_tensor` (float64, lazy blocks of 128 columns);
 - ``ist``: the authors' code (IST-DASLab/gptq ``gptq.py`` + ``quant.py``, ``GPTQ.fasterquant``; float32 as
   published), act-order with ``static_groups`` (the only grid a contiguous-group int4 tensor can hold);
-- ``ist_b{g}``: the same with ``blocksize`` = the group size: the authors' code reads a group's grid from ``W``,
+- ``ist_bg``: the same with ``blocksize`` = the group size: the authors' code reads a group's grid from ``W``,
   which inside a lazy block has not yet received the block's earlier error feedback (``W1`` has); with one group
-  per block both read the updated columns, lit-ppl's choice;
+  per block both read the updated columns, lit-ppl's choice (the authors' read, tried in lit-ppl, raised the
+  held-out KLD: benchmarks/README.md);
 - ``llmc``: llm-compressor's ``quantize_weight`` (its grid: every group's scale from the original weight before
   any update, also without act-order; act-order is its ``actorder="weight"``), where it is installed.
 
@@ -159,7 +160,7 @@ def main() -> None:
     parser.add_argument("--calib-tokens", type=int, default=2048)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--group", type=int, default=128)
-    parser.add_argument("--blocks", type=int, nargs="+", default=[0, 10, 20, 29])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[0, 15, 29])
     parser.add_argument("--ref-python", type=Path, required=True, help="an interpreter with torch (+ llmcompressor)")
     parser.add_argument("--ist-gptq", type=Path, help="a copy of IST-DASLab/gptq (gptq.py, quant.py)")
     parser.add_argument("--reference", nargs=2, type=Path, help=argparse.SUPPRESS)  # the reference interpreter's part
