@@ -1,4 +1,4 @@
-"""INT4 methods side by side: round-to-nearest, HQQ, AWQ, GPTQ (one pass, sequential) against the float model.
+"""INT4 methods side by side: round-to-nearest, HQQ, AWQ, GPTQ (one pass, sequential, act-order) vs the float model.
 
 Each row is one ``python -m lit_ppl.validate``-equivalent run (in process) with ``compare=unquantized``: the same
 evaluated text, the float model as reference, so PPL, mean KLD, KLD p99 and same-top-1 are measured on the same
@@ -27,6 +27,7 @@ METHODS = {
     "awq": ["quant=awq", "quant.name=int4"],
     "gptq": ["quant=gptq"],
     "gptq-seq": ["quant=gptq", "quant.gptq.sequential=true"],
+    "gptq-act": ["quant=gptq", "quant.gptq.act_order=true"],
 }
 
 
@@ -79,7 +80,7 @@ def main() -> None:
         for method in args.method or list(METHODS):
             extra = [*METHODS[method], f"quant.group_size={group}", "compare=unquantized"]
             extra += [f"eval.seq_len={args.seq_len}", f"precision={args.precision}", "report.plots=false"]
-            extra += cal if method in ("awq", "gptq", "gptq-seq") else []
+            extra += cal if method not in ("rtn", "hqq") else []
             t0 = time.perf_counter()
             r = lit_ppl(args.model, evaluated, work / f"{method}-g{group}", *extra)
             c, q = r["compare"], r["quant"]

@@ -320,6 +320,52 @@ def test_gptq_on_uncorrelated_inputs_is_torchaos_round_to_nearest_bit_for_bit():
             torch.testing.assert_close(got.dequantize(), rtn.dequantize(), rtol=0, atol=0)
 
 
+def textbook_gptq(w: torch.Tensor, xtx: torch.Tensor, g: int, act_order: bool, damp: float = 0.01) -> torch.Tensor:
+    """Frantar et al.'s Algorithm 1 one column at a time (no lazy blocks), the authors' symmetric int4 grid (scale
+    ``amax / 7.5``, codes −8…7), a group's from its columns as the errors left them (the authors' code reads it
+    before its lazy block's own feedback: benchmarks/README.md), act-order's static groups from the original
+    weight; dequantized."""
+    W, H = w.double().clone(), xtx.clone()
+    dead = H.diagonal() == 0
+    H[dead, dead], W[:, dead] = 1.0, 0.0
+
+    def scale(cols: torch.Tensor) -> torch.Tensor:  # float32, as torchao computes it from the float32 weight
+        return cols.float().abs().amax(1) / 7.5
+
+    static = [scale(W[:, j : j + g]) for j in range(0, W.shape[1], g)]
+    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if act_order else torch.arange(W.shape[1])
+    W, H = W[:, perm], H[perm][:, perm]
+    H.diagonal().add_(damp * H.diagonal().mean())
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    Q = torch.empty_like(W)
+    for i, col in enumerate(perm.tolist()):
+        if not act_order and col % g == 0:
+            static[col // g] = scale(W[:, i : i + g])
+        s = static[col // g]
+        Q[:, i] = (torch.clamp(torch.round(W[:, i].float() * (1 / s)), -8, 7) * s).double()
+        W[:, i:] -= ((W[:, i] - Q[:, i]) / U[i, i])[:, None] * U[i, i:][None, :]
+    return Q[:, torch.argsort(perm)]
+
+
+def test_gptq_solver_equals_the_textbook_algorithm_column_by_column():
+    """Act-order off (lazy blocks of 64 columns, groups of 32: a group's grid read mid-block) and on (blocks of 48),
+    a dead input: lit-ppl's solver gives the codes of Algorithm 1 computed one column at a time."""
+    from torchao.quantization import IntxWeightOnlyConfig, PerGroup
+
+    from lit_ppl.config.quant import GptqConfig
+    from lit_ppl.quant.calibrated.gptq_solver import gptq_tensor
+
+    torch.manual_seed(0)
+    w = torch.randn(24, 192)
+    x = torch.randn(400, 192, dtype=torch.float64) @ torch.randn(192, 192, dtype=torch.float64)  # correlated inputs
+    x[:, 5] = 0.0
+    config = IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))
+    for act_order in (False, True):
+        got = gptq_tensor(x.T @ x, w, config, GptqConfig(act_order=act_order, block_size=48))[0].dequantize()
+        want = textbook_gptq(w, x.T @ x, 32, act_order)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6, msg=f"act_order={act_order}")
+
+
 def test_gptq_lowers_every_layers_output_error_below_round_to_nearest(tmp_path):
     """On the calibration inputs themselves, ‖XWᵀ − XQᵀ‖² of GPTQ's Q is below RTN's for every int4 layer."""
     from lit_ppl.config.quant import GptqConfig

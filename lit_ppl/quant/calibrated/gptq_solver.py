@@ -12,7 +12,9 @@ run; this is the same algorithm (Frantar et al. 2022, Algorithm 1) written again
 
 The rounding grid of a column is the one torchao's config would choose: the scales and zero points come from
 the config's own handler applied to the group's current columns (``act_order``: to the original weight, "static
-groups", since columns of a group are then not quantized together), and a column's codes are
+groups", since columns of a group are then not quantized together; the authors' code reads a group that starts
+inside a lazy block before the block's own feedback: tried on SmolLM2, held-out KLD was 10% worse, see
+benchmarks/README.md), and a column's codes are
 ``clamp(round(w · (1/scale)) + zero)`` exactly as ``quantize_affine`` computes them. The result is torchao's own
 tensor (``IntxUnpackedToInt8Tensor``, ``Int8Tensor``) holding these codes: its kernels, its bytes, its hash.
 Built from the codes, not by re-rounding ``dequantize(GPTQ)``: torchao's round-to-nearest would re-derive a
