@@ -233,7 +233,7 @@ def test_gptq_candidates_are_the_weights_the_policy_applies(compose, tmp_path):
 def test_the_fisher_estimate_ranks_layers_as_the_exact_measurement_does(tmp_path):
     """Each int8 candidate of stories260K alone (35 linear layers, the tied embedding table): the gradient
     estimate (4 windows) against the exact measurement (36 passes) on the same calibration text, the same sums over
-    ranks: the same order of sensitivity (rank correlation), each estimate within a factor of 3 of its measurement
+    ranks: the same order of sensitivity (rank correlation), each estimate within a factor of 4 of its measurement
     (attention's value projections are the furthest: their errors, alike at every position, add up across positions
     the diagonal does not see)."""
     import statistics
@@ -256,7 +256,8 @@ def test_the_fisher_estimate_ranks_layers_as_the_exact_measurement_does(tmp_path
     pairs = [(estimate[n]["int8"]["kld"], exact[n]["int8"]["kld"]) for n in exact]
     ranks = [sorted(v).index for v in zip(*pairs, strict=True)]
     assert statistics.correlation([ranks[0](e) for e, _ in pairs], [ranks[1](x) for _, x in pairs]) > 0.8
-    assert all(1 / 3 < e / x < 3 for e, x in pairs), pairs
+    far = {n: e / x for n, (e, x) in zip(exact, pairs, strict=True) if not 1 / 4 < e / x < 4}
+    assert not far, far
 
 
 def stories_lm(tied: bool) -> torch.nn.Module:

@@ -86,11 +86,16 @@ class _Probe:
     def _add(self, u: int, name: str, x: torch.Tensor, g: torch.Tensor, lookup: bool) -> None:
         with torch.no_grad():
             g = g.float()
+            # The text's term Σ g·(x ΔWᵀ) is ⟨ΔW, gᵀx⟩: one product per layer, whatever the schemes.
+            grad_w = None if self.mode == 0 or lookup else g.flatten(0, -2).T @ x.flatten(0, -2).float()
             for j, delta in enumerate(self.deltas[name]):
                 if delta is None:
                     continue
-                dy = (F.embedding(x, delta) if lookup else F.linear(x, delta)).float()
-                term = 0.5 * (g.square() * dy.square()) if self.mode == 0 else g * dy
+                if grad_w is not None:
+                    term = grad_w * delta.float()
+                else:
+                    dy = (F.embedding(x, delta) if lookup else F.linear(x, delta)).float()
+                    term = 0.5 * (g.square() * dy.square()) if self.mode == 0 else g * dy
                 self.sums[u, j, self.mode] += term.sum(dtype=torch.float64).cpu()
 
 
