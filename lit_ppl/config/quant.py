@@ -104,7 +104,7 @@ class GptqConfig:
     block_size: int = field(
         default=128, metadata=meta("columns updated together (lazy batch updates)", check=check_block_size)
     )
-    act_order: bool = field(default=False, metadata=meta("quantize columns by decreasing XᵀX diagonal"))
+    act_order: bool = field(default=True, metadata=meta("quantize columns by decreasing XᵀX diagonal"))
     sequential: bool = field(
         default=False, metadata=meta("calibrate each decoder block on the outputs of the quantized blocks before it")
     )
