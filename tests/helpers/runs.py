@@ -57,11 +57,13 @@ def cases_sweep(root: Path, cases: dict[str, list[str]]) -> list[str]:
     ``results.json`` to ``root/NAME``: a Hydra sweep is a cartesian product, so each case becomes a config of a
     group ``case`` on a search path of its own (Hydra's "experiment" pattern) and the sweep is ``+case=A,B,...``."""
     import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    parser = OverridesParser.create()  # values as the command line would read them: 32-true, [1.0,0.3], {store:'d'}
     for name, overrides in cases.items():
         defaults, values = [], {"output_dir": str(root / name)}
-        for override in overrides:
-            key, value = override.split("=", 1)
+        for override in parser.parse_overrides(overrides):
+            key, value = override.key_or_group, override.value()
             if key in GROUPS:
                 defaults.append({f"override /{key}": value})
                 continue
@@ -69,7 +71,7 @@ def cases_sweep(root: Path, cases: dict[str, list[str]]) -> list[str]:
             node = values
             for part in parents:
                 node = node.setdefault(part, {})
-            node[leaf] = yaml.safe_load(value)
+            node[leaf] = value
         path = root / "conf" / "case" / f"{name}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("# @package _global_\n" + yaml.safe_dump({"defaults": [*defaults, "_self_"], **values}))
