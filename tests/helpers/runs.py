@@ -55,7 +55,8 @@ GROUPS = ("model", "data", "eval", "trainer", "strategy", "quant", "compare", "l
 def cases_sweep(root: Path, cases: dict[str, list[str]]) -> list[str]:
     """Overrides that make one ``-m`` sweep run ``cases`` (name -> that job's own overrides), each writing its
     ``results.json`` to ``root/NAME``: a Hydra sweep is a cartesian product, so each case becomes a config of a
-    group ``case`` on a search path of its own (Hydra's "experiment" pattern) and the sweep is ``+case=A,B,...``."""
+    group ``case`` on a search path of its own (Hydra's "experiment" pattern) and the sweep is ``+case=A,B,...``.
+    A key given on the command line beside them wins over every case's: a key that varies goes in the cases only."""
     import yaml
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
