@@ -15,10 +15,8 @@ import pytest
 import torch
 from conftest import ROOT, WIKITEXT, require_shared
 from helpers.browser import report_data
-from helpers.runs import evaluate_overrides
 
 from lit_ppl.data import autobatch
-from lit_ppl.errors import LitPplError
 from lit_ppl.evaluation.resume import EXIT_PREEMPTED
 from lit_ppl.report import runs as report
 
@@ -65,13 +63,6 @@ def _run(text: Path, out: Path, *extra: str) -> tuple[subprocess.CompletedProces
     return proc, json.loads(path.read_text()) if path.is_file() else None
 
 
-def _in_process(text: Path, out: Path, *extra: str) -> dict:
-    """The run of :func:`_run` in this process: for a refusal or a deterministic run (bit-identical whatever the
-    process), without an interpreter to start."""
-    overrides = [a for a in _cmd(text, out, *extra)[3:] if not a.startswith(("output_dir=", "hydra.run.dir="))]
-    return evaluate_overrides(overrides, out)
-
-
 def _saved_at_least(out: Path, step: int) -> bool:
     """Rank 0 has saved progress at ``step`` or later (older files are pruned as newer ones land)."""
     steps = [
@@ -110,8 +101,7 @@ def _assert_identical(r: dict, ref: dict) -> None:
         assert r[key] == ref[key], key  # bit-identical, not approximately equal
 
 
-# SIGUSR1 on one process: test_auto_batch_size_resumes_only_into_the_saved_plan.
-@pytest.mark.parametrize("sig,world", [(signal.SIGTERM, 1), (signal.SIGUSR1, 2)])
+@pytest.mark.parametrize("sig,world", [(signal.SIGUSR1, 1), (signal.SIGTERM, 1), (signal.SIGUSR1, 2)])
 def test_signal_saves_then_rerun_is_bit_identical(text, uninterrupted, tmp_path, sig, world):
     extra = DDP2 if world == 2 else ()
     out = tmp_path / "run"
@@ -123,9 +113,6 @@ def test_signal_saves_then_rerun_is_bit_identical(text, uninterrupted, tmp_path,
     assert not (out / "results.json").exists(), "results.json is never written before the run is complete"
     for rank in range(world):
         assert (out / "progress" / f"rank{rank}-step{stopped}.pt").exists()
-    if world == 1:  # progress of another configuration is refused, and left for the run it belongs to
-        with pytest.raises(LitPplError, match="holds progress of a different run"):
-            _in_process(text, out, "eval.seq_len=128")
     done, r = _run(text, out, *extra)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resuming from step {stopped}" in done.stderr
@@ -150,11 +137,23 @@ def test_crash_loses_at_most_the_work_since_the_last_save(text, uninterrupted, t
     _assert_identical(r, uninterrupted[1])
 
 
+def test_progress_of_another_configuration_is_refused(text, tmp_path):
+    out = tmp_path / "run"
+    proc = _start_and_wait(text, out)
+    proc.send_signal(signal.SIGUSR1)
+    proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED
+    done, r = _run(text, out, "eval.seq_len=128")
+    assert done.returncode == 1 and r is None
+    assert "holds progress of a different run" in done.stderr
+
+
 def test_deterministic_resume_on_two_ranks_equals_one_process(text, tmp_path):
     """eval.deterministic=true: a signalled 2-rank run, resumed, gives one process's numbers, bit for bit, and the
     same per-token files (report.per_token, save_reference) as an uninterrupted one-process run."""
     det = ("eval.deterministic=true", "report.per_token=true")
-    one = _in_process(text, tmp_path / "one", *det, f"save_reference={tmp_path / 'one_store'}")
+    proc, one = _run(text, tmp_path / "one", *det, f"save_reference={tmp_path / 'one_store'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     out, store = tmp_path / "run", f"save_reference={tmp_path / 'run_store'}"
     proc = _start_and_wait(text, out, *DDP2, *det, store)
     proc.send_signal(signal.SIGUSR1)
@@ -195,14 +194,14 @@ def test_auto_batch_size_resumes_only_into_the_saved_plan(text, uninterrupted, t
     assert saved["plan"] == {"batch_size": 4, "rank_weights": None}
 
     _cache_says(cache, 2, max_batch=4)  # a node where only 2 windows fit: the saved batches of 4 cannot run
-    with pytest.raises(LitPplError) as refused:
-        _in_process(text, out, *auto, "autobatch.max_batch=4")
-    assert str(refused.value) == (
-        f"{out / 'progress'} holds progress of batches of 4 windows, but this run makes batches of "
+    done, r = _run(text, out, *auto, "autobatch.max_batch=4")
+    assert done.returncode == 1 and r is None, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("lit-ppl: error:")]
+    assert errors == [
+        f"lit-ppl: error: {out / 'progress'} holds progress of batches of 4 windows, but this run makes batches of "
         f"2: its steps are other batches than this run's; set batch_size=4 if it fits, or delete {out / 'progress'} "
         "to start over"
-    )
-    assert not (out / "results.json").exists()
+    ]
 
     # A node whose probe picks 8: the saved 4 fits there, so the run goes on with batches of 4, bit for bit.
     _cache_says(cache, 4, max_batch=4)
