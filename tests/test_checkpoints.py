@@ -7,9 +7,9 @@ Every file is made here: a GGUF written with the ``gguf`` package from a tiny Ll
 from __future__ import annotations
 
 import pytest
-from conftest import STORIES, require_shared, run_entry
+from conftest import STORIES, require_shared
 from helpers.gguf_files import write_gguf
-from helpers.runs import evaluate_overrides
+from helpers.runs import evaluate_overrides, torchrun_cases
 
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.spec import ModelSpec
@@ -48,14 +48,26 @@ def test_gguf_file_not_in_the_directory(gguf_files):
         ModelSpec(path=str(path.parent), gguf_file="nope.gguf")
 
 
+@pytest.fixture(scope="module")
+def two_ranks(gguf_files, int8_checkpoint, docs_file, tmp_path_factory) -> dict[str, dict]:
+    """The 2-rank runs of this file as the jobs of one ``-m`` sweep on one torchrun launch of 2 ranks (a launch's
+    cost is its interpreters' start-up): "gguf-fsdp" (Q4_K), "int8-fsdp", "int8-tp" (the torchao checkpoint)."""
+    gguf, int8 = f"model.path={gguf_files['Q4_K'][0]}", f"model.path={int8_checkpoint}"
+    cases = {
+        "gguf-fsdp": [gguf, "strategy=fsdp"],
+        "int8-fsdp": [int8, "strategy=fsdp"],
+        "int8-tp": [int8, "strategy=tp"],
+    }
+    return torchrun_cases(_args(docs_file, "trainer.devices=2"), cases, 2, tmp_path_factory.mktemp("two"))
+
+
 @pytest.mark.slow
-def test_gguf_under_fsdp(gguf_files, docs_file, tmp_path):
+def test_gguf_under_fsdp(gguf_files, two_ranks, docs_file, tmp_path):
     """Rank 0 reads (and dequantizes) the file like any checkpoint and shards it."""
-    path, reference = gguf_files["Q4_K"]
-    proc, r = run_entry(_args(docs_file, f"model.path={path}", "strategy=fsdp", "trainer.devices=2"), tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, reference = gguf_files["Q4_K"]
+    r = two_ranks["gguf-fsdp"]
     ref = evaluate_overrides(_args(docs_file, f"model.path={reference}"), tmp_path / "ref")
-    assert r["world_size"] == 2 and r["tokens"] == ref["tokens"]
+    assert (r["strategy"], r["world_size"]) == ("fsdp", 2) and r["tokens"] == ref["tokens"]
     assert r["ppl"] == pytest.approx(ref["ppl"], rel=1e-6) and r["quant"]["name"] == "gguf:Q4_K"
 
 
@@ -140,12 +152,10 @@ def _docs(r):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "tp"])
-def test_torchao_int8_checkpoint_split(int8_checkpoint, int8_reference, docs_file, tmp_path, strategy):
+def test_torchao_int8_checkpoint_split(two_ranks, int8_reference, strategy):
     """The stored INT8 codes sharded (FSDP) or split (TP) like on-the-fly quantized ones: the same PPL."""
-    args = _args(docs_file, f"model.path={int8_checkpoint}", f"strategy={strategy}", "trainer.devices=2")
-    proc, r = run_entry(args, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert r["world_size"] == 2 and r["tokens"] == int8_reference["tokens"]
+    r = two_ranks[f"int8-{strategy}"]
+    assert r["strategy"] == strategy and r["world_size"] == 2 and r["tokens"] == int8_reference["tokens"]
     assert r["ppl"] == pytest.approx(int8_reference["ppl"], rel=1e-6)
     assert r["quant"]["name"] == "torchao:int8" and r["quant"]["consistency"]["checked"]
 

@@ -1,7 +1,7 @@
 """Exact distributed evaluation on real gloo processes: the same numbers at every world size and strategy.
 
-Lightning launches the extra ranks itself (``strategy=ddp|fsdp trainer.devices=N``); the two-"node" runs use
-two ``torchrun`` launches on 127.0.0.1. Nothing is mocked.
+The runs share one ``torchrun`` launch per world size (a ``-m`` sweep of cases), the 4-rank one as two "nodes"
+(``--node_rank`` 0 and 1) on 127.0.0.1; Lightning launches the ranks of the killed-rank runs. Nothing is mocked.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, STORIES, WIKITEXT, require_shared, run_entry
-from helpers.nodes import free_port
-from helpers.runs import evaluate_overrides
+from conftest import ROOT, STORIES, WIKITEXT, require_shared
+from helpers.nodes import launch, wait
+from helpers.runs import cases_sweep, evaluate_overrides, torchrun_cases
 
 pytestmark = pytest.mark.slow
 
@@ -35,30 +35,63 @@ def reference(docs_file, tmp_path_factory):
     }
 
 
+def _case(strategy: str, batch: int | str, precision: str) -> list[str]:
+    return [f"strategy={strategy}", f"batch_size={batch}", f"precision={precision}"]
+
+
+ONE_DOC = "Once upon a time there was a cat."
+
+
+@pytest.fixture(scope="module")
+def runs(docs_file, tmp_path_factory) -> dict[tuple[int, str], dict]:
+    """(world size, case) -> results.json of every multi-rank run below but the killed ones; (1, "one"): one process
+    on a single short document. One launch per world size, whose ranks run each case as a job of one ``-m`` sweep
+    (a launch's cost is its interpreters' start-up, not the tiny model's evaluation); the 4-rank launch is two
+    torchrun "nodes" of two processes each. "one" cases: fewer windows than ranks."""
+    root = tmp_path_factory.mktemp("runs")
+    (root / "one.txt").write_text(ONE_DOC, encoding="utf-8")
+    docs, one = f"data.path={docs_file}", f"data.path={root / 'one.txt'}"  # a case's own (the command line's wins)
+    base = [f"model.path={STORIES}", "eval.seq_len=64", "trainer.accelerator=cpu"]
+    out = {(1, "one"): evaluate_overrides([*base, one], root / "single")}
+    for world, cases in (
+        (2, {"fsdp-1-64-true": [*_case("fsdp", 1, "64-true"), docs], "fsdp-one": ["strategy=fsdp", one]}),
+        (
+            3,
+            {
+                "ddp-3-32-true": [*_case("ddp", 3, "32-true"), docs],
+                "ddp-8-64-true": [*_case("ddp", 8, "64-true"), docs],
+                "ddp-one": ["strategy=ddp", one],
+            },
+        ),
+    ):
+        results = torchrun_cases([*base, f"trainer.devices={world}"], cases, world, root / str(world))
+        out |= {(world, name): r for name, r in results.items()}
+    nodes = root / "nodes"
+    cases = {name: _case(*name.split("-", 2)) for name in ("ddp-8-32-true", "fsdp-1-32-true", "ddp-2-32-true")}
+    args = ["-m", *_args(docs_file, "trainer.devices=2", "trainer.num_nodes=2"), *cases_sweep(nodes, cases)]
+    sweep_dirs = {node: [f"hydra.sweep.dir={nodes / f'sweep{node}'}"] for node in (0, 1)}
+    results = wait(launch(args, nodes, nodes=2, per_node=2, node_args=sweep_dirs), timeout=400)
+    assert all(code == 0 for code, _ in results), results[0][1][-2000:] + results[1][1][-2000:]
+    out |= {(4, name): json.loads((nodes / name / "results.json").read_text()) for name in cases}
+    return out
+
+
 @pytest.mark.parametrize(
-    "strategy,world,batch,precision",
+    "world,case",
     [
-        ("ddp", 3, 3, "32-true"),
-        ("ddp", 4, 8, "32-true"),
-        ("fsdp", 4, 1, "32-true"),
-        ("ddp", 3, 8, "64-true"),
-        ("fsdp", 2, 1, "64-true"),
+        (3, "ddp-3-32-true"),
+        (4, "ddp-8-32-true"),
+        (4, "fsdp-1-32-true"),
+        (3, "ddp-8-64-true"),
+        (2, "fsdp-1-64-true"),
+        (4, "ddp-2-32-true"),  # the two-node ddp run of the former test_two_nodes_by_torchrun
     ],
 )
-def test_same_perplexity_at_every_world_size(docs_file, reference, tmp_path, strategy, world, batch, precision):
-    proc, r = run_entry(
-        _args(
-            docs_file,
-            f"strategy={strategy}",
-            f"trainer.devices={world}",
-            f"batch_size={batch}",
-            f"precision={precision}",
-        ),
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = reference[precision]
+def test_same_perplexity_at_every_world_size(runs, reference, world, case):
+    strategy, _, precision = case.split("-", 2)
+    r, ref = runs[world, case], reference[precision]
     assert r["world_size"] == world and r["strategy"] == strategy
+    assert r["num_nodes"] == (2 if world == 4 else 1)
     assert (r["tokens"], r["documents"]) == (ref["tokens"], ref["documents"]), (r, ref)
     assert r["words"] == ref["words"] and r["bytes"] == ref["bytes"]
     rel = 1e-6 if precision == "32-true" else 1e-12
@@ -70,73 +103,13 @@ def test_same_perplexity_at_every_world_size(docs_file, reference, tmp_path, str
     assert r["rank_peak_device_mb"] is None
 
 
-def test_fewer_windows_than_ranks(tmp_path, reference):
+@pytest.mark.parametrize("world,case", [(3, "ddp-one"), (2, "fsdp-one")])
+def test_fewer_windows_than_ranks(runs, world, case):
     """One short document on 3 ranks (ddp) and 2 ranks (fsdp): two ranks only run padding steps."""
-    require_shared()
-    doc = tmp_path / "one.txt"
-    doc.write_text("Once upon a time there was a cat.", encoding="utf-8")
-    single, _ = run_entry([f"model.path={STORIES}", f"data.path={doc}", "trainer.accelerator=cpu"], tmp_path / "a")
-    results = [json.loads((tmp_path / "a" / "out" / "results.json").read_text())]
-    for strategy, world in (("ddp", 3), ("fsdp", 2)):
-        proc, r = run_entry(
-            [
-                f"model.path={STORIES}",
-                f"data.path={doc}",
-                "trainer.accelerator=cpu",
-                f"strategy={strategy}",
-                f"trainer.devices={world}",
-            ],
-            tmp_path / strategy,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        results.append(r)
-    assert single.returncode == 0
-    for r in results[1:]:
-        assert r["tokens"] == results[0]["tokens"] and r["ppl"] == pytest.approx(results[0]["ppl"], rel=1e-6)
-        assert r["rank_tokens"].count(0) == r["world_size"] - 1
-
-
-@pytest.mark.parametrize("strategy", ["ddp"])  # hsdp over two nodes: test_deterministic, bit for bit
-def test_two_nodes_by_torchrun(docs_file, reference, tmp_path, strategy):
-    """Two torchrun launches (node_rank 0 and 1) of two processes each, on 127.0.0.1."""
-    port, out = free_port(), tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node_rank",
-                str(node),
-                "--nproc_per_node",
-                "2",
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(port),
-                "-m",
-                "lit_ppl.validate",
-                *_args(docs_file, f"strategy={strategy}", "trainer.devices=2", "trainer.num_nodes=2", "batch_size=2"),
-                f"output_dir={out}",
-                f"hydra.run.dir={tmp_path / f'node{node}'}",
-            ],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for node in (0, 1)
-    ]
-    outputs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
-    r = json.loads((out / "results.json").read_text())
-    assert r["world_size"] == 4 and r["num_nodes"] == 2
-    assert r["tokens"] == reference["32-true"]["tokens"]
-    assert r["ppl"] == pytest.approx(reference["32-true"]["ppl"], rel=1e-6)
+    r, single = runs[world, case], runs[1, "one"]
+    assert r["world_size"] == world and r["strategy"] == case.split("-")[0]
+    assert r["tokens"] == single["tokens"] and r["ppl"] == pytest.approx(single["ppl"], rel=1e-6)
+    assert r["rank_tokens"].count(0) == r["world_size"] - 1
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])

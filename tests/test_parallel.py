@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import ROOT, STORIES, TINYSTORIES, require_shared, run, run_entry
 from helpers.nodes import free_port
-from helpers.runs import evaluate_overrides, torchrun_sweep
+from helpers.runs import evaluate_overrides, torchrun_cases, torchrun_sweep
 
 from lit_ppl.model.nll import cross_entropy_
 from lit_ppl.parallel import layout as parallel
@@ -162,6 +162,22 @@ def four_ranks(docs_file, tmp_path_factory):
     return {r["strategy"]: r for r in runs}
 
 
+QUANTIZED = {  # name -> (quant, layout): each row of test_quantized_weights_are_sharded_and_exact
+    "int4-fsdp": (["quant=int4", "quant.group_size=32"], ["strategy=fsdp"]),
+    "int4-tp": (["quant=int4", "quant.group_size=32"], ["strategy=tp"]),
+    "int8-fsdp": (["quant=int8"], ["strategy=fsdp"]),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(docs_file, tmp_path_factory):
+    """The 2-rank runs of the two tests below as the jobs of one ``-m`` sweep on one torchrun launch of 2 ranks (a
+    launch's cost is its interpreters' start-up): "tp", and each of QUANTIZED."""
+    root = tmp_path_factory.mktemp("two")
+    cases = {"tp": ["strategy=tp"], **{name: [*q, *layout] for name, (q, layout) in QUANTIZED.items()}}
+    return torchrun_cases([*_args(docs_file), f"data.cache_dir={root / 'cache'}", "trainer.devices=2"], cases, 2, root)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra,kind,world",
@@ -171,12 +187,9 @@ def four_ranks(docs_file, tmp_path_factory):
         (["strategy=tp", "trainer.devices=4", "parallel.tp=2"], "tp", 4),  # dp_replicate=2 × tp=2
     ],
 )
-def test_tensor_parallel_layouts_match_one_process(docs_file, single, request, tmp_path, extra, kind, world):
-    if world == 4:  # FOUR_RANK_TP's sweep ran this very layout
-        r = request.getfixturevalue("four_ranks")[extra[0].removeprefix("strategy=")]
-    else:
-        proc, r = run_entry(_args(docs_file, *extra), tmp_path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+def test_tensor_parallel_layouts_match_one_process(single, request, extra, kind, world):
+    # the sweeps of two_ranks and of FOUR_RANK_TP ran these very layouts
+    r = request.getfixturevalue({2: "two_ranks", 4: "four_ranks"}[world])[extra[0].removeprefix("strategy=")]
     assert r["parallel"]["kind"] == kind and r["world_size"] == world
     assert r["parallel"]["dp_replicate"] * r["parallel"]["dp_shard"] * r["parallel"]["tp"] == world
     assert (r["tokens"], r["words"], r["documents"]) == (single["tokens"], single["words"], single["documents"])
@@ -190,18 +203,12 @@ def test_tensor_parallel_layouts_match_one_process(docs_file, single, request, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "quant,extra",
-    [
-        (["quant=int4", "quant.group_size=32"], ["strategy=fsdp", "trainer.devices=2"]),
-        (["quant=int4", "quant.group_size=32"], ["strategy=tp", "trainer.devices=2"]),
-        (["quant=int8"], ["strategy=fsdp", "trainer.devices=2"]),
-    ],
-)
-def test_quantized_weights_are_sharded_and_exact(docs_file, tmp_path, compose, quant, extra):
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_quantized_weights_are_sharded_and_exact(docs_file, two_ranks, compose, name):
+    quant, layout = QUANTIZED[name]
     one = evaluate(compose(*_args(docs_file, *quant)))
-    proc, r = run_entry(_args(docs_file, *quant, *extra), tmp_path / "two")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = two_ranks[name]
+    assert r["strategy"] == layout[0].removeprefix("strategy=") and r["world_size"] == 2
     assert r["tokens"] == one["tokens"]
     assert r["ppl"] == pytest.approx(one["ppl"], rel=1e-6)
     assert r["quant"]["quantized_modules"] == one["quant"]["quantized_modules"]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import STORIES, require_shared, run_entry
 from helpers import zoo
-from helpers.runs import evaluate_overrides, stories_overrides, torchrun_sweep
+from helpers.runs import evaluate_overrides, stories_overrides, torchrun_cases
 
 from lit_ppl.errors import LitPplError
 
@@ -145,8 +145,33 @@ def test_64_bit_saved_reference_with_a_logit_transform(docs_file, tmp_path, fami
     assert _worst(live["compare"], read["compare"]) <= 1e-12
 
 
+INT4 = ["quant=int4", "quant.group_size=32"]  # int8's per-row scales cannot be split over tensor-parallel slices
+
+
+@pytest.fixture(scope="module")
+def two_ranks(saved, tmp_path_factory) -> dict[str, dict]:
+    """Every 2-rank run of the two tests below, as the jobs of one ``-m`` sweep on one torchrun launch of 2 ranks
+    (a launch's cost is its interpreters' start-up): name -> results.json. "fsdp_save" writes ``root/store``."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    base = [a for a in saved["base"] if not a.startswith("data.cache_dir")] + [f"data.cache_dir={root / 'cache'}"]
+    det, read = ["eval.deterministic=true"], ["compare=saved", f"compare.reference.store={saved['store']}"]
+    fsdp, tp = ["strategy=fsdp"], ["strategy=tp"]
+    cases = {
+        "fsdp_save": [*det, *fsdp, f"save_reference={root / 'store'}"],
+        "fsdp": [*fsdp, "quant=int8", *read],  # the stored head sharded
+        "tp_saved": [*tp, *INT4, *read],
+        "tp_live": [*tp, *INT4, "compare=unquantized"],
+        # compare.reference as a path (a live reference model) or as {store: DIR} (the saved one)
+        "det_live": [*det, *fsdp, "quant=int8", f"compare.reference={STORIES}"],
+        "det_saved": [*det, *fsdp, "quant=int8", "compare.reference={store:'" + str(saved["store"]) + "'}"],
+    }
+    runs = torchrun_cases([*base, "trainer.devices=2"], cases, 2, root, timeout=600)
+    assert {r["world_size"] for r in runs.values()} == {2}
+    return {**runs, "store": root / "store"}
+
+
 @pytest.mark.slow
-def test_saved_reference_under_every_layout(saved, docs_file, tmp_path):
+def test_saved_reference_under_every_layout(saved, two_ranks, tmp_path):
     """The store a 2-rank FSDP run writes is one process's, bit for bit (deterministic); compare=saved gives one
     process's statistics under fsdp, ddp (== at 3 ranks, deterministic), tp and fsdp_tp, and so does the live
     comparison under tp."""
@@ -158,22 +183,20 @@ def test_saved_reference_under_every_layout(saved, docs_file, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         return r
 
-    one, two = tmp_path / "one", tmp_path / "two"
+    one, two = tmp_path / "one", two_ranks["store"]
     evaluate_overrides([*saved["base"], *det, f"save_reference={one}"], tmp_path / "one_out")
-    entry("fsdp_save", *det, "strategy=fsdp", "trainer.devices=2", f"save_reference={two}")
+    assert two_ranks["fsdp_save"]["strategy"] == "fsdp"
     assert _store_files(one) == _store_files(two)
     floors = [json.loads((s / "manifest.json").read_text())["noise_floor"] for s in (one, two)]
     assert floors[0] == floors[1] and floors[0]["kld_mean"] > 0  # measured on the sharded model: one process's
-    r = entry("fsdp", "quant=int8", "strategy=fsdp", "trainer.devices=2", *read)  # the stored head sharded
-    assert _worst(saved["live"]["compare"], r["compare"]) <= 1e-6
+    assert _worst(saved["live"]["compare"], two_ranks["fsdp"]["compare"]) <= 1e-6
     single = evaluate_overrides([*saved["base"], *det, "quant=int8", *read], tmp_path / "det1")["compare"]
     assert entry("ddp3", *det, "quant=int8", "strategy=ddp", "trainer.devices=3", *read)["compare"] == single
-    # int8's per-row scales cannot be split over tensor-parallel slices: tp compares int4 (group-wise scales). The
-    # reference's hidden states under tp carry the split sums' rounding: the means agree to 1e-6.
-    int4 = ["quant=int4", "quant.group_size=32"]
-    single = evaluate_overrides([*saved["base"], *int4, "compare=unquantized"], tmp_path / "int4")["compare"]
-    for name, mode in (("tp_saved", read), ("tp_live", ["compare=unquantized"])):
-        r = entry(name, *int4, "strategy=tp", "trainer.devices=2", *mode)["compare"]
+    # The reference's hidden states under tp carry the split sums' rounding: the means agree to 1e-6.
+    single = evaluate_overrides([*saved["base"], *INT4, "compare=unquantized"], tmp_path / "int4")["compare"]
+    for name in ("tp_saved", "tp_live"):
+        assert two_ranks[name]["strategy"] == "tp"
+        r = two_ranks[name]["compare"]
         for key in ("ppl", "ppl_base", "kld_mean", "kld_rev_mean", "p_diff_rms", "same_top"):
             assert r[key] == pytest.approx(single[key], rel=1e-6), (name, key)
     r = entry(
@@ -188,19 +211,17 @@ def test_saved_reference_under_every_layout(saved, docs_file, tmp_path):
 
 
 @pytest.mark.slow
-def test_reverse_kld_and_buckets_under_fsdp_are_one_processes(saved, tmp_path):
-    """compare's reverse KLD, top-1 buckets and histogram: the live and the saved comparison under fsdp × 2 (one
-    torchrun launch running both) give one process's, bit for bit in deterministic mode."""
+def test_reverse_kld_and_buckets_under_fsdp_are_one_processes(saved, two_ranks, tmp_path):
+    """compare's reverse KLD, top-1 buckets and histogram: the live and the saved comparison under fsdp × 2 give one
+    process's, bit for bit in deterministic mode."""
     det = [*saved["base"], "eval.deterministic=true", "quant=int8"]
     store = saved["store"]
     single = [
         evaluate_overrides([*det, "compare.reference=" + str(STORIES)], tmp_path / "live1")["compare"],
         evaluate_overrides([*det, "compare.reference={store:'" + str(store) + "'}"], tmp_path / "saved1")["compare"],
     ]
-    # compare.reference as a path (a live reference model) or as {store: DIR} (the saved one): one sweep.
-    sweep = f"compare.reference='{STORIES}',{{store:'{store}'}}"
-    runs = torchrun_sweep([*det, "strategy=fsdp", "trainer.devices=2", sweep], 2, tmp_path / "sweep", timeout=600)
-    assert [r["world_size"] for r in runs] == [2, 2] and "reference_store" in runs[1]
+    runs = [two_ranks["det_live"], two_ranks["det_saved"]]
+    assert [r["strategy"] for r in runs] == ["fsdp", "fsdp"] and "reference_store" in runs[1]
     for one, two in zip(single, (r["compare"] for r in runs), strict=True):
         assert two == one and two["noise_floor"]["kld_mean"] > 0  # the noise floor too, bit for bit
         assert (
