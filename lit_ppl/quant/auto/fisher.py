@@ -95,7 +95,9 @@ class _Probe:
                     term = grad_w * delta.float()
                 else:
                     dy = (F.embedding(x, delta) if lookup else F.linear(x, delta)).float()
-                    term = 0.5 * (g.square() * dy.square()) if self.mode == 0 else g * dy
+                    term = g * dy
+                    if self.mode == 0:
+                        term = 0.5 * term.square_()
                 self.sums[u, j, self.mode] += term.sum(dtype=torch.float64).cpu()
 
 
