@@ -162,6 +162,7 @@ def test_a_budget_nothing_quantized_meets_says_the_best_reachable_value(compose,
         ({"budget": {"kld": 0.1}, "schemes": ["int8", "int3"]}, "quant.schemes=['int8', 'int3'] must list distinct"),
         ({"budget": {"kld": 0.1}, "schemes": ["none"]}, "at least one of them quantized"),
         ({"budget": {"kld": 0.1}, "calibration": {"path": None}}, "quant=auto measures each layer on calibration text"),
+        ({"budget": {"kld": 0.1}, "calibration": {"tokens": 100}}, "quant.calibration.tokens=100: quant=auto bounds"),
     ],
 )
 def test_bad_auto_configs_are_one_line(node, message):

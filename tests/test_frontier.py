@@ -178,20 +178,20 @@ def test_the_frontier_command_and_its_one_line_errors(frontier_sweep, tmp_path, 
 def test_a_frontier_sweep_measures_one_table_and_draws_its_jobs(tmp_path):
     """Two auto jobs of a real sweep: the second reuses the first's table; the callback draws the frontier."""
     require_shared()
-    calibration = {"path": STORIES.parent / "tinyshakespeare.txt", "cache_dir": tmp_path, "tokens": 64}
+    calibration = {"path": STORIES.parent / "tinyshakespeare.txt", "cache_dir": tmp_path, "tokens": 128}
     calibration |= {"seq_len": 64, "batch_size": 1}
     args = ["model=hf", f"model.path={STORIES}", "data=text", f"data.path={TINYSTORIES}", "trainer=cpu"]
     args += ["data.document_separator='<|endoftext|>'", "data.limit=1"]  # one story of five
     args += ["eval.seq_len=128", "compare=unquantized", "report.plots=false", "report.html=false"]
     args += ["quant.group_size=32", *(f"quant.calibration.{k}={v}" for k, v in calibration.items())]
-    args += ["quant.method=rtn", "quant.schemes=[none,int4]"]  # the cheapest table: 30 passes, no calibration
+    args += ["quant.method=rtn", "quant.schemes=[none,int4]"]  # the cheapest table: no calibration statistics
     args.append("frontier=auto_0.1,auto_0.02")
     proc, sweep_dir = sweep(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = (json.loads((sweep_dir / str(i) / "results.json").read_text()) for i in range(2))
     a, b = first["quant"]["auto"], second["quant"]["auto"]
     assert a["sensitivity_from"] is None and b["sensitivity_from"] == str(sweep_dir / "0" / "results.json")
-    assert a["measurement"]["passes"] == 30 and b["measurement"]["passes"] == 0  # int4 on 30 layers, then none
+    assert a["measurement"]["passes"] == 2 and b["measurement"]["passes"] == 0  # the estimate's 2 windows, then none
     assert b["sensitivity"] == a["sensitivity"] and b["fingerprint"] == a["fingerprint"]
     assert b["budget"] == {"kld": 0.02} and b["bytes"] > a["bytes"]  # a tighter budget: more bytes
     assert (proc.stdout + proc.stderr).count("reusing the sensitivity table") == 1

@@ -24,6 +24,7 @@ import torch
 
 from lit_ppl.config.quant import QuantConfig
 from lit_ppl.config.values import check_auto
+from lit_ppl.errors import LitPplError
 from lit_ppl.quant.schemes import Scheme
 from lit_ppl.runtime.memory import tensor_bytes
 
@@ -67,7 +68,10 @@ class Budget:
         mean = value.sum() / tokens.sum()
         n = units.shape[0]
         if n < 2:
-            return math.inf  # one unit gives no variance: nothing is bounded
+            raise LitPplError(
+                f"quant=auto: the calibration text gave {int(tokens.sum())} scored tokens, one unit of the "
+                "measurement's variance: give it more text (quant.calibration.tokens, at least 128)"
+            )
         stderr = torch.sqrt(((value - mean * tokens) ** 2).sum() / (n * (n - 1))) / tokens.mean()
         return abs(float(mean)) + Z * float(stderr)
 

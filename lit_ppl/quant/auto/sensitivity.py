@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit_ppl.config.values import BOUND_UNIT
 from lit_ppl.metrics.kl import token_stats
 from lit_ppl.model.scorer import decoder_and_head, head_fn, logit_transform, transform
 from lit_ppl.quant.calibrated.stream import Stop
@@ -33,7 +34,7 @@ from lit_ppl.quant.calibrated.text import Calibration
 
 log = logging.getLogger(__name__)
 
-UNIT = 64  # scored tokens per unit of a measurement's variance (units of a batch are consecutive positions)
+UNIT = BOUND_UNIT  # scored tokens per unit of a measurement's variance (a batch's consecutive positions)
 REPLAY_TOLERANCE = 1e-4  # largest |Δ hidden| / max |hidden| of a float replay: rounding, not another function
 
 
