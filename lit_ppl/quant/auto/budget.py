@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from lit_ppl.config.quant import QuantConfig
-from lit_ppl.config.values import check_auto
+from lit_ppl.config.values import BOUND_UNIT, check_auto
 from lit_ppl.errors import LitPplError
 from lit_ppl.quant.schemes import Scheme
 from lit_ppl.runtime.memory import tensor_bytes
@@ -70,7 +70,7 @@ class Budget:
         if n < 2:
             raise LitPplError(
                 f"quant=auto: the calibration text gave {int(tokens.sum())} scored tokens, one unit of the "
-                "measurement's variance: give it more text (quant.calibration.tokens, at least 128)"
+                f"measurement's variance: give it more text (quant.calibration.tokens, at least {2 * BOUND_UNIT})"
             )
         stderr = torch.sqrt(((value - mean * tokens) ** 2).sum() / (n * (n - 1))) / tokens.mean()
         return abs(float(mean)) + Z * float(stderr)

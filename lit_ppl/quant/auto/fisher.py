@@ -40,7 +40,7 @@ class _Probe:
     gradients, ``mode`` 0) or ``Σ g · Δy`` (the text's tokens, ``mode`` 1) to ``sums`` as gradients arrive."""
 
     def __init__(self, lm: nn.Module, candidates: Candidates, kinds: list[str]) -> None:
-        self.lm, self.kinds, self.mode = lm, kinds, 0
+        self.lm, self.mode = lm, 0
         self.layers = candidates.layers
         self.sums = torch.zeros(len(self.layers), len(kinds), 2, dtype=torch.float64)
         self.deltas: dict[str, list[torch.Tensor | None]] = {}
