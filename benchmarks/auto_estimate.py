@@ -8,6 +8,7 @@ table per layer type and scheme.
 
     python benchmarks/auto_estimate.py                    # SmolLM2-135M, WikiText-2, budgets 0.005 0.02 0.1
     python benchmarks/auto_estimate.py --model ../shared/data/stories260K --text ../shared/data/tinyshakespeare.txt
+    python benchmarks/auto_estimate.py --tables /tmp/auto_estimate_XXXX   # that run's tables, the rows again
 
 Figures: benchmarks/README.md ("The sensitivity estimate").
 """
@@ -18,6 +19,7 @@ import json
 import re
 import statistics
 import time
+from pathlib import Path
 
 from common import lit_ppl, table
 from int4_methods import calibrated_parser, calibrated_texts
@@ -71,14 +73,20 @@ def main() -> None:
     parser.add_argument("--method", default="awq", help="int4's method")
     parser.add_argument("--budget", type=float, action="append", help="mean-KLD budgets (default 0.005 0.02 0.1)")
     parser.add_argument("--estimators", default="fisher,exact", help="sensitivity methods, comma-separated")
+    parser.add_argument("--tables", type=Path, help="an earlier run's work dir: its tables reused, the rows run again")
     args = parser.parse_args()
     work, evaluated, cal = calibrated_texts(args, "auto_estimate_")
+    budgets = args.budget or [0.005, 0.02, 0.1]
     common = ["compare=unquantized", f"eval.seq_len={args.seq_len}", f"precision={args.precision}"]
     common += ["report.plots=false", f"quant.group_size={args.group}", f"quant.method={args.method}", *cal]
     rows, tables, seconds = [], {}, {}
     for how in args.estimators.split(","):
-        first = None
-        for budget in args.budget or [0.005, 0.02, 0.1]:
+        first = None if args.tables is None else args.tables / f"{how}-{budgets[0]}" / "out"
+        if first is not None:
+            tables[how] = json.loads((first / "results.json").read_text())["quant"]["auto"]
+            seconds[how] = tables[how]["measurement"]["seconds_layers"], tables[how]["measurement"]["passes"]
+            tables[how] = tables[how]["sensitivity"]
+        for budget in budgets:
             t0 = time.perf_counter()
             reuse = [f"quant.sensitivity={first}"] if first else []
             extra = [*common, "quant=auto", f"quant.sensitivity_method={how}", f"quant.budget.kld={budget}", *reuse]

@@ -192,6 +192,39 @@ def test_the_knapsack_finds_the_fewest_bytes_within_the_budget():
         assert sum(b for b, _ in chosen) == min(sum(b for b, _ in c) for c in fits)
 
 
+@pytest.mark.parametrize("underestimate", [1.0, 1.3, 0.7])
+def test_the_search_takes_the_room_a_table_leaves_and_never_exceeds_the_budget(underestimate):
+    """Whole measurements that are the table's prediction times a factor (an estimate that predicts low, exact, or
+    high) plus interactions: the chosen assignment met the budget, has the fewest bytes of every round that met
+    it, and with room left after a round that met it the next round tries fewer bytes."""
+    from lit_ppl.quant.auto.budget import Budget, Option
+    from lit_ppl.quant.auto.search import _search
+
+    rng = random.Random(1)
+    layers = [f"layer{i}" for i in range(60)]
+    kld = {n: rng.lognormvariate(-9, 1.5) for n in layers}  # int8's KLD; int4's 20-60 times it
+    options = [
+        [Option("none", 400), Option("int8", 100, kld[n]), Option("int4", 53, kld[n] * rng.uniform(20, 60))]
+        for n in layers
+    ]
+    cost = {(n, o.kind): o.kld for n, u in zip(layers, options, strict=True) for o in u}
+
+    def measured(quantized: dict[str, str]) -> tuple[float, float]:
+        total = underestimate * sum(cost[n, k] for n, k in quantized.items())
+        return total * 1.05, total * 1.1  # interactions; the bound 5% above the measurement
+
+    budget = Budget("kld", 0.02)
+    chosen, rounds = _search(layers, options, budget, measured, ["none", "int8", "int4"])
+    final = [r for r in rounds if r["chosen"]]
+    assert len(final) == 1 and final[0]["bound"] <= 0.02
+    assert final[0]["bytes"] == sum(o.bytes for o in chosen.values())
+    assert final[0]["bytes"] == min(r["bytes"] for r in rounds if r["bound"] <= 0.02)
+    for before, after in itertools.pairwise(rounds):
+        if before["bound"] <= 0.95 * 0.02:  # room left: the next round tries fewer bytes
+            assert after["bytes"] < before["bytes"]
+    assert any(r["bound"] <= 0.02 < 1.1 * r["bound"] for r in rounds) or len(rounds) == 6  # close to the budget
+
+
 @pytest.mark.slow
 def test_two_fsdp_ranks_choose_what_one_rank_chooses(compose, tmp_path):
     """Under fsdp × 2 each rank measures its share of the calibration batches, summed in global batch order: the
@@ -348,3 +381,50 @@ def test_without_auto_embeddings_only_linear_layers_are_candidates(small_calibra
         assert candidates.scheme("model.embed_tokens", "int8") is not None
         assert candidates.scheme("model.embed_tokens", "int4") is None
         assert (candidates.scheme("lm_head", "int4") is None) == tied
+
+
+def test_groups_of_experts_are_candidates_estimated_and_applied_as_measured(small_calibration, compose, tmp_path):
+    """A mixture-of-experts model (Mixtral, every expert's projection in one 3D parameter): each fused parameter is
+    one candidate, int8 only (torchao's int4 takes no 3D weight), its bytes packed per expert and row; after the last
+    router the estimate matches the exact measurement; the run's policy applies the choice as measured."""
+    from helpers import zoo
+
+    from lit_ppl.model.spec import ModelSpec
+    from lit_ppl.quant.auto.budget import packed_bytes
+    from lit_ppl.quant.auto.candidates import Candidates
+    from lit_ppl.quant.auto.fisher import estimate_layers
+    from lit_ppl.quant.auto.sensitivity import Meter
+    from lit_ppl.quant.auto.table import measure_layers, table_from_sums
+    from lit_ppl.quant.calibrated.stream import Where, ordered_sum
+    from lit_ppl.run import evaluate
+    from lit_ppl.runtime.memory import inner_tensors, tensor_bytes
+
+    path = zoo.build("mixtral", tmp_path, STORIES)
+    model, cal, at = ModelSpec(path=str(path)).build(), small_calibration, Where()
+    cfg = quant_config({"name": "auto", "method": "rtn", "group_size": 32, "budget": {"kld": 1.0}})
+    candidates = Candidates(model, cfg, ["int8", "int4"], cal, at)
+    experts = [n for n in candidates.layers if ".experts." in n]
+    assert experts == [f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("down_proj", "gate_up_proj")]
+    assert all(candidates.scheme(n, "int4") is None and candidates.scheme(n, "int8") for n in experts)
+    weight, held = candidates.tensor(experts[0]), dict(inner_tensors(candidates.weight(experts[0], "int8")[0]))
+    assert weight.ndim == 3 and held["scale"].numel() == weight.shape[0] * weight.shape[1]  # per expert and row
+    assert packed_bytes(Scheme("int8"), weight) == tensor_bytes(held["qdata"]) + tensor_bytes(held["scale"])
+
+    kinds = ["int8", "int4"]
+    exact = measure_layers(model, candidates, Meter(model, cal, 0, 1, 256, "model.layers"), kinds, at)[0]
+    estimate = table_from_sums(
+        ordered_sum(estimate_layers(model, candidates, cal, kinds, at, 256)[0], at), candidates, kinds
+    )
+    assert exact.keys() == estimate.keys()
+    # Past the last router nothing routes differently: the second-order estimate holds (measured 0.97-1.03).
+    for name in [*experts[2:], "lm_head"]:
+        assert estimate[name]["int8"]["kld"] == pytest.approx(exact[name]["int8"]["kld"], rel=0.2), name
+
+    docs = tmp_path / "docs.txt"
+    docs.write_text(TINYSTORIES.read_text(encoding="utf-8")[:4000], encoding="utf-8")
+    args = [a for a in auto_args(tmp_path, "quant.method=rtn", "quant.budget.kld=1") if not a.startswith("model.path")]
+    r = evaluate(compose(*args, f"model.path={path}", f"data.path={docs}", f"output_dir={tmp_path / 'out'}"))
+    auto = r["quant"]["auto"]
+    assert {n: auto["choice"][n] for n in experts} == dict.fromkeys(experts, "int8")  # a loose budget: all int8
+    assert all(r["quant"]["modules"][n]["config"] == "int8" for n in experts)
+    assert auto["met"]["calibration"] and r["compare"]["kld_mean"] == auto["measured_evaluated"] > 0

@@ -5,8 +5,12 @@ fallback, the others by round-to-nearest) and takes the calibrated methods' stat
 reduced over the ranks (:meth:`lit_ppl.quant.methods.Method.observe`); a layer's quantized weight is built when
 asked. With ``quant.auto_embeddings`` the output head and the input embeddings are candidates too, by
 round-to-nearest (AWQ and GPTQ calibrate a linear layer's inputs; a lookup table has none): a tied pair is one
-candidate, named by its first module (:meth:`Candidates.modules` names both). :func:`installed` swaps weights
-(and AWQ's input pre-scales) into the model, in every module sharing the weight, and restores the float ones.
+candidate, named by its first module (:meth:`Candidates.modules` names both). A mixture-of-experts layer's fused
+3D expert weights (``experts.gate_up_proj``, every expert's projection in one parameter) are one candidate each: a
+group of experts, measured and chosen together, int8 by round-to-nearest per expert and row (torchao's int4 configs
+take no 3D weight); the float model and the candidates then run transformers' eager experts loop, as an applied
+policy does. :func:`installed` swaps weights (and AWQ's input pre-scales) into the model, in every module sharing
+the weight, and restores the float ones.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import torch
 from torch import nn
 
 from lit_ppl.config.quant import QuantConfig
-from lit_ppl.errors import LitPplError
 from lit_ppl.quant.assign import Rule, assign, rules_from_cfg
 from lit_ppl.quant.calibrated.stream import Where
 from lit_ppl.quant.calibrated.text import Calibration
@@ -36,18 +39,16 @@ class Candidates:
         self.choices: dict[str, dict[str, Choice]] = {}  # kind -> layer -> choice
         self.solved: dict[str, torch.Tensor] = {}  # the costly methods' tensors, built once
         self.twins: dict[str, list[str]] = {}  # a tied weight's first module -> the others holding it
+        self.routed = False  # some candidates are groups of experts, behind a router
         for kind in kinds:
             todo, report, targets = assign(lm, _rules(lm, cfg, kind), cfg.backend, cfg.group_fallback)
-            experts = sorted(n for n in todo if targets[n].kind == "experts")
-            if experts:
-                raise LitPplError(
-                    f"quant=auto measures linear layers, the head and the embeddings; {experts[0]} is fused expert "
-                    "weights: quantize them with a quant=policy rule"
-                )
+            self.routed = self.routed or any(targets[n].kind == "experts" for n in todo)
             for name, entry in report.items():
                 if "tied_to" in entry and name not in self.twins.setdefault(entry["tied_to"], []):
                     self.twins[entry["tied_to"]].append(name)
             self.choices[kind] = todo
+        if self.routed:  # torchao's tensors run in F.linear, not in the grouped-matmul kernels (as quant.apply does)
+            lm.set_experts_implementation("eager")
         calibrated: dict[Method, dict[str, Choice]] = {}
         for name, choice in self.choices.get("int4", {}).items():
             if choice.method.calibrated:
@@ -60,7 +61,12 @@ class Candidates:
     def layers(self) -> list[str]:
         """Every layer some scheme can take, in forward order."""
         order = {n: i for i, (n, _) in enumerate(self.lm.named_modules())}
-        return sorted({n for todo in self.choices.values() for n in todo}, key=order.__getitem__)
+        names = {n for todo in self.choices.values() for n in todo}
+        return sorted(names, key=lambda n: (order.get(n, order.get(n.rpartition(".")[0])), n))  # experts: by module
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The float weight the candidate ``name`` replaces."""
+        return getattr(*weight_slot(self.lm, name))
 
     def modules(self, name: str) -> list[str]:
         """The modules whose weight the candidate ``name`` replaces: itself, and the modules tied to it (a tied
@@ -78,7 +84,7 @@ class Candidates:
         key = f"{name}:{kind}"
         if key in self.solved:
             return self.solved[key], None
-        weight = self.lm.get_submodule(name).weight.detach()
+        weight = self.tensor(name).detach()
         quantized, pre = choice.method.candidate(weight, choice, self.stats.get(name), self.cfg)
         if choice.method.costly:  # solved once, kept (a layer's quantized bytes) for every round
             self.solved[key] = quantized
@@ -102,28 +108,37 @@ def _rules(lm: nn.Module, cfg: QuantConfig, kind: str) -> list[Rule]:
     return [*(Rule(scheme, role=role, why=why) for role, scheme in roles.items()), linear]
 
 
+def weight_slot(lm: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """``(module, attribute)`` holding the candidate ``name``'s weight: a module's ``weight``, or a fused expert
+    parameter by its own name."""
+    parent, _, attr = name.rpartition(".")
+    owner = lm.get_submodule(parent)
+    child = getattr(owner, attr)
+    return (child, "weight") if isinstance(child, nn.Module) else (owner, attr)
+
+
 @contextmanager
 def installed(lm: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> Iterator[None]:
     """The model with these layers' weights (and AWQ input pre-scales) swapped in, restored on exit; a weight
     other modules share (a tied head and embedding table) is swapped in each of them, so the tie holds."""
-    sharing: dict[int, list[nn.Module]] = {}
+    sharing: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in lm.modules() if weights else ():
-        if isinstance(held := getattr(module, "weight", None), nn.Parameter):
-            sharing.setdefault(id(held), []).append(module)
-    saved: list[tuple[nn.Module, nn.Parameter]] = []
+        for attr, held in module.named_parameters(recurse=False):
+            sharing.setdefault(id(held), []).append((module, attr))
+    saved: list[tuple[nn.Module, str, nn.Parameter]] = []
     handles = []
     try:
         for name, (weight, pre) in weights.items():
-            module = lm.get_submodule(name)
+            module, attr = weight_slot(lm, name)
             new = nn.Parameter(weight, requires_grad=False)
-            for holder in sharing.get(id(module.weight), [module]):
-                saved.append((holder, holder.weight))
-                holder.weight = new
+            for holder, held in sharing.get(id(getattr(module, attr)), [(module, attr)]):
+                saved.append((holder, held, getattr(holder, held)))
+                setattr(holder, held, new)
             if pre is not None:
                 handles.append(module.register_forward_pre_hook(lambda _, a, s=pre: (a[0] * s, *a[1:])))
         yield
     finally:
         for h in handles:
             h.remove()
-        for holder, weight in reversed(saved):
-            holder.weight = weight
+        for holder, held, weight in reversed(saved):
+            setattr(holder, held, weight)

@@ -2,14 +2,15 @@
 divergence predicted from one forward and two backward passes per calibration window, instead of one forward per
 candidate (:mod:`lit_ppl.quant.auto.sensitivity`, ``quant.sensitivity_method=exact``).
 
-Second order about the float model: a change ``Δy`` of a layer's output moves the next-token distributions by
-``KL ≈ ½ Δyᵀ F Δy``, with ``F`` the Fisher information of the model's own predictions. ``F = E[g gᵀ]`` for ``g`` the
+Second order about the float model: a change ``Δy`` of a layer's output moves the next-token distributions
+by ``KL ≈ ½ Δyᵀ F Δy``, with ``F`` the Fisher information of the model's own predictions. ``F = E[g gᵀ]`` for ``g`` the
 gradient of ``log p(t)`` at a token ``t`` *sampled from the model* (one per position; sampling makes the estimate
 unbiased, the text's own tokens would not), kept diagonal per position and output channel as NVIDIA
 Model-Optimizer's AutoQuantize does: ``KLD ≈ ½ Σ g² Δy²``, with ``Δy = x ΔWᵀ`` the candidate's change of the layer's
-output on the float model's inputs ``x`` (an embedding: the rows it looks up). The change of the text's NLL adds the
-first-order term of the text's own tokens: ``ΔNLL ≈ −Σ g_text · Δy + KLD``. Written here because none of the
-dependencies estimates a quantization's effect (Model-Optimizer is not one).
+output on the float model's inputs ``x`` (an embedding: the rows it looks up; a group of experts: the experts module
+run again on its inputs and routing with the candidate's weights, less its float output). The change of the text's
+NLL adds the first-order term of the text's own tokens: ``ΔNLL ≈ −Σ g_text · Δy + KLD``. Written here because none
+of the dependencies estimates a quantization's effect (Model-Optimizer is not one).
 
 Sums per window are float64 and added over the ranks in global batch order
 (:func:`lit_ppl.quant.calibrated.stream.ordered_sum`): the same table at any world size. Tokens are sampled from a
@@ -26,9 +27,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from lit_ppl.model.scorer import decoder_and_head, head_fn
-from lit_ppl.quant.auto.candidates import Candidates
+from lit_ppl.quant.auto.candidates import Candidates, weight_slot
 from lit_ppl.quant.calibrated.stream import Where
 from lit_ppl.quant.calibrated.text import Calibration
 
@@ -45,7 +47,7 @@ class _Probe:
         self.sums = torch.zeros(len(self.layers), len(kinds), 2, dtype=torch.float64)
         self.deltas: dict[str, list[torch.Tensor | None]] = {}
         for name in self.layers:
-            float_weight = lm.get_submodule(candidates.modules(name)[0]).weight.detach()
+            float_weight = candidates.tensor(name).detach()
             self.deltas[name] = [
                 None if candidates.scheme(name, kind) is None else _delta(candidates, name, kind, float_weight)
                 for kind in kinds
@@ -60,8 +62,11 @@ class _Probe:
         handles = [embed.register_forward_hook(lambda _, __, out: out.requires_grad_(True), prepend=True)]
         for u, name in enumerate(self.layers):
             for module_name in candidates.modules(name):
-                module = self.lm.get_submodule(module_name)
-                handles.append(module.register_forward_hook(self._watch(u, name, module)))
+                module, attr = weight_slot(self.lm, module_name)
+                if isinstance(module, nn.Linear | nn.Embedding):
+                    handles.append(module.register_forward_hook(self._watch(u, name, module)))
+                else:  # a group of experts: its output with the candidate's weights needs the routing, run again
+                    handles.append(module.register_forward_hook(self._rerun(u, name, attr), with_kwargs=True))
         try:
             for p in params:
                 p.requires_grad_(False)
@@ -82,6 +87,32 @@ class _Probe:
                 out.register_hook(lambda g: self._add(u, name, x, g, lookup))
 
         return forward_hook
+
+    def _rerun(self, u: int, name: str, attr: str) -> Callable[..., None]:
+        def forward_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+            if out.requires_grad:
+                detached = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
+                out.register_hook(lambda g: self._add_rerun(u, name, module, attr, detached, out.detach(), g))
+
+        return forward_hook
+
+    def _add_rerun(
+        self, u: int, name: str, module: nn.Module, attr: str, inputs: Any, out: torch.Tensor, g: torch.Tensor
+    ) -> None:
+        float_weight = getattr(module, attr)
+        with torch.no_grad():
+            for j, delta in enumerate(self.deltas[name]):
+                if delta is None:
+                    continue
+                setattr(module, attr, nn.Parameter(float_weight + delta, requires_grad=False))
+                try:
+                    dy = (module(*inputs[0], **inputs[1]) - out).float()
+                finally:
+                    setattr(module, attr, float_weight)
+                term = g.float() * dy
+                if self.mode == 0:
+                    term = 0.5 * term.square_()
+                self.sums[u, j, self.mode] += term.sum(dtype=torch.float64).cpu()
 
     def _add(self, u: int, name: str, x: torch.Tensor, g: torch.Tensor, lookup: bool) -> None:
         with torch.no_grad():
