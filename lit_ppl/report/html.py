@@ -179,8 +179,7 @@ def auto_section(auto: dict[str, Any], measured: float | None) -> str:
             cost = sum((v.get(kind) or {}).get("kld", 0.0) for v in table_.values())
             points.append((nbytes * mib, cost, f"all {kind} (predicted)", 1))
         for i, r in enumerate(auto.get("rounds") or []):
-            chosen = ", chosen" if r.get("chosen") else ""
-            points.append((r["bytes"] * mib, float(r["measured"]), f"round {i + 1} (calibration{chosen})", 2))
+            points.append((r["bytes"] * mib, float(r["measured"]), f"round {i + 1} (calibration)", 2))
     if measured is not None:
         points.append((auto["bytes"] * mib, measured, "chosen (evaluated text)", 3))
     chart = points_chart(points, "MiB of the quantizable layers' weights", "mean KLD", "quant=auto frontier")

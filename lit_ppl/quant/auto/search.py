@@ -10,10 +10,9 @@
 3. The assignment with the fewest weight bytes whose summed cost stays within the budget: a multiple-choice
    knapsack solved by dynamic programming over the budget in 4,000 steps, each cost rounded up, so the
    prediction never exceeds the budget (:mod:`lit_ppl.quant.auto.budget`).
-4. The assignment measured as a whole on the calibration text, with a one-sided 95% upper bound; interactions
-   (and an estimated table's error) make that differ from the sum, so the knapsack runs again (at most
-   :data:`ROUNDS` times) with a smaller target while the bound exceeds the budget and a larger one while it leaves
-   room; the fewest bytes among the assignments that met the budget are chosen.
+4. The assignment measured as a whole on the calibration text; interactions make that differ from the sum, so
+   while it exceeds the budget the search target shrinks below that assignment's prediction and the knapsack runs
+   again (at most :data:`ROUNDS` times).
 
 The choice becomes ``quant=policy`` rules, one per layer (written next to ``results.json`` as
 ``quant_policy.yaml``: :mod:`lit_ppl.quant.auto.policy`), applied by :func:`lit_ppl.quant.apply.quantize_model`
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,8 +45,8 @@ from lit_ppl.quant.schemes import NONE
 
 log = logging.getLogger(__name__)
 
-ROUNDS = 6  # whole-assignment measurements at most
-SHRINK = 0.95  # the next target is this times budget / bound (below the plain ratio: interactions add up)
+ROUNDS = 6  # whole-assignment measurements before giving up on a shrinking target
+SHRINK = 0.95  # the next target is this times budget / measured (below the plain ratio: interactions add up)
 CHUNK_BUDGET_MB = 256  # float64 statistics per chunk of positions, as eval.chunk_budget_mb
 
 
@@ -101,14 +99,8 @@ def _search(
     measured: Callable[[dict[str, str]], tuple[float, float]],
     schemes: list[str],
 ) -> tuple[dict[str, Option], list[dict[str, Any]]]:
-    """The assignment with the fewest bytes among those whose whole measurement met the budget (its upper bound),
-    and every round tried (the chosen one marked ``chosen``). Each round's next target is its prediction times
-    :data:`SHRINK` × budget / bound: below the prediction while the bound exceeds the budget, above it while the
-    bound leaves more than 1 − SHRINK of the budget unused; kept between the largest target met and the smallest
-    missed (halfway, once both are known)."""
-    rounds: list[dict[str, Any]] = []
-    target, tried, met, missed = budget.limit, set(), 0.0, math.inf
-    best: tuple[int, int, dict[str, Option]] | None = None  # (bytes, round, assignment)
+    """The cheapest assignment whose whole measurement meets the budget, and every round tried."""
+    rounds, target, tried = [], budget.limit, set()
     for _ in range(ROUNDS):
         picks = cheapest([[(o.bytes, o.cost(budget)) for o in unit] for unit in options], target)
         if picks is None or tuple(picks) in tried:  # nothing fits a smaller target, or no other choice
@@ -119,32 +111,19 @@ def _search(
         predicted = sum(o.cost(budget) for o in picked.values())
         size = sum(o.bytes for o in picked.values())
         shown = {"predicted": budget.shown(predicted), "measured": budget.shown(cost), "bound": budget.shown(bound)}
-        rounds.append({"target": budget.shown(target), **shown, "bytes": size, "chosen": False})
-        following = predicted * SHRINK * budget.limit / bound if bound > 0 else math.inf
+        rounds.append({"target": budget.shown(target), **shown, "bytes": size})
         if bound <= budget.limit:
-            met = max(met, target)
-            if best is None or size < best[0]:
-                best = (size, len(rounds) - 1, picked)
-            if following <= predicted:  # within 1 − SHRINK of the budget: no room worth another round
-                break
-        else:
-            missed = min(missed, target)
-        if met < following < missed:
-            target = following
-        elif met and missed < math.inf:
-            target = (met + missed) / 2
-        else:
-            break
-    if best is not None:
-        rounds[best[1]]["chosen"] = True
-        return best[2], rounds
+            return picked, rounds
+        # Below this assignment's own prediction, scaled by how far its bound overshot: the next round must
+        # choose another (a target that only shrinks from the budget may still admit the same one).
+        target = min(target, predicted) * SHRINK * budget.limit / bound
     # No round at all: costs rounded up to the budget's steps left no assignment within it (the floor is close).
     floor = sum(min(o.cost(budget) for o in unit) for unit in options)
-    least, how = min(((r["bound"], "upper bound") for r in rounds), default=(budget.shown(floor), "predicted"))
+    best, how = min(((r["bound"], "upper bound") for r in rounds), default=(budget.shown(floor), "predicted"))
     raise LitPplError(
         f"quant.budget.{budget.metric}={budget.value:g} is not met on the calibration text (with 95% "
         f"confidence): the best reachable "
-        f"with quant.schemes={schemes} is {least:.4g} ({how}, {len(rounds)} assignments tried); raise the budget"
+        f"with quant.schemes={schemes} is {best:.4g} ({how}, {len(rounds)} assignments tried); raise the budget"
     )
 
 
@@ -247,7 +226,6 @@ def _facts(
     measurement: dict[str, Any],
 ) -> dict[str, Any]:
     """``results.json``'s ``quant.auto`` (without the policy), and the log's one line."""
-    final = next(r for r in rounds if r["chosen"])
     by_scheme: dict[str, dict[str, int]] = {}
     for name, option in chosen.items():
         label = quantized[name][0].label if name in quantized else "none"
@@ -257,12 +235,12 @@ def _facts(
     uniform = {k: sum(next((o.bytes for o in u if o.kind == k), u[0].bytes) for u in options) for k in kinds}
     info = {
         "budget": {budget.metric: budget.value},
-        "predicted": final["predicted"] if table else None,  # nothing measured alone: nothing predicted
-        "bound": final["bound"],  # the calibration measurement's one-sided 95% upper bound
-        "measured_calibration": final["measured"],
+        "predicted": rounds[-1]["predicted"] if table else None,  # nothing measured alone: nothing predicted
+        "bound": rounds[-1]["bound"],  # the calibration measurement's one-sided 95% upper bound
+        "measured_calibration": rounds[-1]["measured"],
         "measured_evaluated": None,  # the evaluated text's, set with results.json when the run compares
-        "met": _met(budget, final, table),
-        "bytes": final["bytes"],
+        "met": _met(budget, rounds[-1], table),
+        "bytes": rounds[-1]["bytes"],
         "bytes_full_precision": full,
         "bytes_uniform": uniform,  # every layer the scheme takes; the rest in full precision
         "by_scheme": by_scheme,
