@@ -89,6 +89,9 @@ class TokenScorer(nn.Module):
     def __init__(self, lm: nn.Module, chunk_size: int, tp: Group | None = None) -> None:
         super().__init__()
         self.lm = lm
+        routed = any(type(m).__name__.endswith("Experts") for m in lm.modules())
+        if routed and getattr(lm, "dtype", None) == torch.float64:
+            lm.set_experts_implementation("eager")  # transformers' grouped-matmul experts take no float64
         self.decoder, head = decoder_and_head(lm)
         self.head = head_fn(lm, head)
         self.head_module = head

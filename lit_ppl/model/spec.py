@@ -239,7 +239,7 @@ class ModelSpec:
         cfg = self.config()
         with parameters_on_meta():
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=self.trust_remote_code)
-        return _runnable(model.eval().requires_grad_(False), dtype)
+        return model.eval().requires_grad_(False)
 
     def full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Exactly the tensors ``from_pretrained`` loads, keyed as the model names them, in host memory.
@@ -314,7 +314,7 @@ class ModelSpec:
                     **placement,
                 )
             self.check_loading(info)
-        return _runnable(model.eval().requires_grad_(False), dtype)
+        return model.eval().requires_grad_(False)
 
     def check_loading(self, info: dict[str, Any]) -> None:
         """Refuse a checkpoint that does not provide exactly the model's tensors (``from_pretrained``'s report).
@@ -327,15 +327,6 @@ class ModelSpec:
         problem = key_problem(self.path, info.get("missing_keys") or [], info.get("unexpected_keys") or [], mismatched)
         if problem:
             raise LitPplError(problem)
-
-
-def _runnable(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """``model``, its mixture-of-experts layers on transformers' eager loop in float64 (the default grouped-matmul
-    kernel takes no float64: the noise floor's float64 copy)."""
-    routed = any(type(m).__name__.endswith("Experts") for m in model.modules())
-    if dtype == torch.float64 and routed and hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation("eager")
-    return model
 
 
 @contextmanager
