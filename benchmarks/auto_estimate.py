@@ -82,10 +82,6 @@ def main() -> None:
     rows, tables, seconds = [], {}, {}
     for how in args.estimators.split(","):
         first = None if args.tables is None else args.tables / f"{how}-{budgets[0]}" / "out"
-        if first is not None:
-            tables[how] = json.loads((first / "results.json").read_text())["quant"]["auto"]
-            seconds[how] = tables[how]["measurement"]["seconds_layers"], tables[how]["measurement"]["passes"]
-            tables[how] = tables[how]["sensitivity"]
         for budget in budgets:
             t0 = time.perf_counter()
             reuse = [f"quant.sensitivity={first}"] if first else []
@@ -93,9 +89,7 @@ def main() -> None:
             out = work / f"{how}-{budget}"
             r = lit_ppl(args.model, evaluated, out, *extra)
             auto = r["quant"]["auto"]
-            if first is None:
-                first, tables[how] = out / "out", auto["sensitivity"]
-                seconds[how] = auto["measurement"]["seconds_layers"], auto["measurement"]["passes"]
+            first = first or out / "out"
             met = auto["met"]
             rows.append(
                 {
@@ -115,6 +109,9 @@ def main() -> None:
                 }
             )
             print(table(rows[-1:], list(rows[-1])), flush=True)
+        measured = json.loads((first / "results.json").read_text())["quant"]["auto"]  # the run that measured it
+        tables[how] = measured["sensitivity"]
+        seconds[how] = measured["measurement"]["seconds_layers"], measured["measurement"]["passes"]
     (work / "tables.json").write_text(json.dumps({"tables": tables, "seconds": seconds}))
     print(
         f"\n{args.model.name}, {args.text.name}: first {args.eval_bytes:,} bytes evaluated (seq_len {args.seq_len}), "

@@ -84,52 +84,52 @@ class _Probe:
         def forward_hook(_: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
             if out.requires_grad:
                 x = args[0]
-                out.register_hook(lambda g: self._add(u, name, x, g, lookup))
+                change = (lambda d: F.embedding(x, d)) if lookup else (lambda d: F.linear(x, d))
+                out.register_hook(lambda g: self._add(u, name, g, change, None if lookup else x))
 
         return forward_hook
 
     def _rerun(self, u: int, name: str, attr: str) -> Callable[..., None]:
         def forward_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> None:
             if out.requires_grad:
-                detached = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
-                out.register_hook(lambda g: self._add_rerun(u, name, module, attr, detached, out.detach(), g))
+                inputs, base = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs)), out.detach()
+                out.register_hook(lambda g: self._add(u, name, g, lambda d: _with(module, attr, d, inputs) - base))
 
         return forward_hook
 
-    def _add_rerun(
-        self, u: int, name: str, module: nn.Module, attr: str, inputs: Any, out: torch.Tensor, g: torch.Tensor
+    def _add(
+        self,
+        u: int,
+        name: str,
+        g: torch.Tensor,
+        change: Callable[[torch.Tensor], torch.Tensor],
+        x: torch.Tensor | None = None,
     ) -> None:
-        float_weight = getattr(module, attr)
-        with torch.no_grad():
-            for j, delta in enumerate(self.deltas[name]):
-                if delta is None:
-                    continue
-                setattr(module, attr, nn.Parameter(float_weight + delta, requires_grad=False))
-                try:
-                    dy = (module(*inputs[0], **inputs[1]) - out).float()
-                finally:
-                    setattr(module, attr, float_weight)
-                term = g.float() * dy
-                if self.mode == 0:
-                    term = 0.5 * term.square_()
-                self.sums[u, j, self.mode] += term.sum(dtype=torch.float64).cpu()
-
-    def _add(self, u: int, name: str, x: torch.Tensor, g: torch.Tensor, lookup: bool) -> None:
+        """Per scheme, ``½ Σ (g·Δy)²`` or ``Σ g·Δy`` with ``Δy = change(ΔW)``; ``x``: a linear layer's input."""
         with torch.no_grad():
             g = g.float()
-            # The text's term Σ g·(x ΔWᵀ) is ⟨ΔW, gᵀx⟩: one product per layer, whatever the schemes.
-            grad_w = None if self.mode == 0 or lookup else g.flatten(0, -2).T @ x.flatten(0, -2).float()
+            # A linear layer's text term Σ g·(x ΔWᵀ) is ⟨ΔW, gᵀx⟩: one product per layer, whatever the schemes.
+            grad_w = None if self.mode == 0 or x is None else g.flatten(0, -2).T @ x.flatten(0, -2).float()
             for j, delta in enumerate(self.deltas[name]):
                 if delta is None:
                     continue
                 if grad_w is not None:
                     term = grad_w * delta.float()
                 else:
-                    dy = (F.embedding(x, delta) if lookup else F.linear(x, delta)).float()
-                    term = g * dy
+                    term = g * change(delta).float()
                     if self.mode == 0:
                         term = 0.5 * term.square_()
                 self.sums[u, j, self.mode] += term.sum(dtype=torch.float64).cpu()
+
+
+def _with(module: nn.Module, attr: str, delta: torch.Tensor, inputs: tuple[tuple, dict]) -> torch.Tensor:
+    """``module``'s output on ``inputs`` (args, kwargs) with ``delta`` added to its weight ``attr``, restored after."""
+    float_weight = getattr(module, attr)
+    setattr(module, attr, nn.Parameter(float_weight + delta, requires_grad=False))
+    try:
+        return module(*inputs[0], **inputs[1])
+    finally:
+        setattr(module, attr, float_weight)
 
 
 def _delta(candidates: Candidates, name: str, kind: str, float_weight: torch.Tensor) -> torch.Tensor:
