@@ -37,9 +37,54 @@ def test_gguf_equals_its_dequantized_weights(gguf_files, docs_file, tmp_path, ca
     assert r["tokens"] == ref["tokens"] and r["ppl"] == pytest.approx(ref["ppl"], rel=1e-6)
     q = r["quant"]
     assert (q["name"], q["source"], q["format"]) == (f"gguf:{qtype}", "checkpoint", "gguf")
-    assert q["ggml_types"] == {"F32": 5, qtype: 16} and q["quantized_modules"] == 16
+    assert q["ggml_types"] == {"F32": 5, qtype: 15} and q["quantized_modules"] == 15
     assert q["bits"] == {"Q8_0": 8.5, "Q4_K": 4.5}[qtype] and ref["quant"] is None
-    assert f"gguf:{qtype}" in table and f"{qtype}×16 F32×5" in table
+    assert f"gguf:{qtype}" in table and f"{qtype}×15 F32×5" in table
+
+
+def test_gguf_is_read_into_the_tied_model_as_its_dequantized_weights(gguf_files):
+    """Bit for bit the reference's tensors, the head still the embedding (transformers' loader untied them)."""
+    import torch
+
+    for path, reference in gguf_files.values():
+        lm, ref = ModelSpec(path=str(path)).build(), ModelSpec(path=str(reference)).build()
+        assert lm.lm_head.weight is lm.model.embed_tokens.weight
+        ours, theirs = lm.state_dict(), ref.state_dict()
+        assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+_PEAK = """
+import sys
+from pathlib import Path
+from lit_ppl.model.spec import ModelSpec
+
+def status(key):
+    return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith(key))
+
+spec = ModelSpec(path=sys.argv[1])
+spec.build_empty(__import__("torch").float32)  # imports, the header and the config read before the baseline
+Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from the resident size
+base = status("VmRSS:")
+lm = spec.build()
+print(status("VmHWM:") - base, sum(p.nbytes for p in lm.parameters()), lm.model.embed_tokens.weight.nbytes)
+"""
+
+
+def test_gguf_loads_a_block_of_rows_at_a_time(tmp_path):
+    """A fresh process's high-water mark while it builds the model from a GGUF file: the weights, the file's pages
+    and blocks of rows dequantized (8 MiB of float32 and gguf-py's temporaries); never the 64 MiB embedding whole,
+    the whole model dequantized beside it (transformers' loader: 3.2× the weights here) or a tied head's copy."""
+    import subprocess
+    import sys
+
+    require_shared()
+    path, _ = write_gguf(tmp_path, STORIES, "Q8_0", vocab_size=65536, num_hidden_layers=1)
+    proc = subprocess.run([sys.executable, "-c", _PEAK, str(path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    peak, weights, largest = map(int, proc.stdout.split()[-3:])
+    # The file's pages, read through its memory map, count in the resident size too.
+    bound = weights + path.stat().st_size + 40 * 2**20
+    assert largest == 64 * 2**20 and bound < weights + largest and peak <= bound, (peak, weights, largest)
 
 
 def test_gguf_file_not_in_the_directory(gguf_files):

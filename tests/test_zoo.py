@@ -113,12 +113,12 @@ def test_each_rank_reads_what_from_pretrained_reads(reference):
     for arch in zoo.ARCHITECTURES:
         spec = ModelSpec(path=str(reference(arch)[0]))
         lm = spec.build_empty(torch.float32)
-        sources = spec.tensor_sources(lm)
-        if sources is None:
+        parts = spec.tensor_parts(lm)
+        if parts is None:
             rank0.add(arch)
             continue
         materialize(lm, torch.device("cpu"))
-        load_own_parts(lm, sources, {}, None)
+        load_own_parts(lm, parts, {}, None)
         theirs, ours = spec.build(torch.float32).state_dict(), lm.state_dict()
         assert set(ours) == set(theirs), arch
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs), arch

@@ -181,7 +181,9 @@ class SavedCompareModule(KLModule):
             return
         super().configure_model()
         assert self.saved is not None and self.scorer is not None
-        self.stored_head = place_head(self.saved.head(vocab_rows(self.scorer)), self.placement)
+        rows = vocab_rows(self.scorer)
+        own = self.scorer.head_module if rows is None and self.placement.dp_mesh is None else None
+        self.stored_head = place_head(self.saved.head(rows, own), self.placement)
 
     def reference_stats(self, batch: dict[str, Any], hidden: Tensor, scorer: TokenScorer) -> dict[str, Tensor]:
         assert self.saved is not None and self.stored_head is not None
@@ -204,7 +206,8 @@ class SavedCompareModule(KLModule):
         assert self.saved is not None
         manifest = self.saved.manifest
         source = {k: manifest.get(k) for k in ("model", "dtype", "quant")}
-        source = {"store": self.store_dir, **source}
+        shared = self.stored_head is not None and self.stored_head.weight is self.scorer.head_module.weight
+        source = {"store": self.store_dir, **source, "head": "the model's own" if shared else "stored"}
         return {**super().result_fields(), "reference_store": source}
 
     def on_validation_epoch_end(self) -> None:

@@ -115,6 +115,18 @@ def file_digest(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def head_digest(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """SHA-256 of a head's weight and bias as computed with (dtype, shape, bytes): a comparison whose model holds a
+    head of the same digest uses it instead of loading the stored copy."""
+    h = hashlib.sha256()
+    for t in (weight, bias):
+        if t is not None:
+            t = t.detach().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.cpu().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 def full_head(scorer: TokenScorer) -> dict[str, torch.Tensor]:
     """The whole output head of ``scorer`` on every rank (gathered from FSDP shards and tensor-parallel slices)."""
     head = scorer.head_module
@@ -196,6 +208,7 @@ class ReferenceWriter:
         scale, cap = logit_transform(scorer.lm.config)
         self.saved_head = {**head, "scale": scale, "softcap": cap}
         self.head = {"dtype": str(dtype).removeprefix("torch."), "hidden": width, "scale": scale, "softcap": cap}
+        self.head["head_digest"] = head_digest(head["weight"], head.get("bias"))
         tokens, windows = int(self.first_token[-1]), len(self.first_token) - 1
         self.arrays = TokenArrays(self.dir, store_fields(tokens, windows, width, dtype))
 

@@ -20,6 +20,7 @@ from lit_ppl.evaluation.reference import (
     MATCH,
     ROWS,
     file_digest,
+    head_digest,
     read_manifest,
     store_fields,
 )
@@ -35,8 +36,9 @@ class StoredHead(nn.Module):
         weight, bias = saved["weight"], saved.get("bias")
         if rows is not None:
             weight, bias = weight[rows], None if bias is None else bias[rows]
-        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
+        keep = lambda t: t if isinstance(t, nn.Parameter) else nn.Parameter(t.contiguous(), requires_grad=False)  # noqa: E731
+        self.weight = keep(weight)  # a model's own head is shared, not copied
+        self.bias = None if bias is None else keep(bias)
         self.scale, self.cap = saved.get("scale"), saved.get("softcap")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -97,7 +99,13 @@ class SavedReference:
             )
         return array
 
-    def head(self, rows: slice | None = None) -> StoredHead:
+    def head(self, rows: slice | None = None, own: nn.Module | None = None) -> StoredHead:
+        """The stored head (``rows``: this rank's vocabulary slice), or ``own`` — the model's whole, plain head —
+        where its weights are the stored ones (the same digest: a quantization that keeps the head, compared with
+        its own float model), which then is not held twice."""
+        m = self.manifest
+        if own is not None and m.get("head_digest") and self.is_stored(own):
+            return StoredHead({"weight": own.weight, "bias": own.bias, "scale": m["scale"], "softcap": m["softcap"]})
         try:  # weights_only: tensors and numbers, never code (the digest was checked when the store was opened)
             saved = torch.load(self.dir / HEAD, map_location="cpu", weights_only=True)
         except Exception as err:  # UnpicklingError, RuntimeError, EOFError...: a file this lit-ppl did not save
@@ -106,6 +114,14 @@ class SavedReference:
         if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.shape[1] != self.manifest["hidden"]:
             raise self.error(f"{HEAD} holds no (vocabulary, {self.manifest['hidden']}) weight")
         return StoredHead(saved, rows)
+
+    def is_stored(self, head: nn.Module) -> bool:
+        """Whether ``head`` is a plain linear head whose weight and bias are the stored ones, bit for bit."""
+        weight, bias = getattr(head, "weight", None), getattr(head, "bias", None)
+        plain = [t for t in (weight, bias) if t is not None]
+        if not plain or any(type(t.data) is not torch.Tensor for t in plain):  # torchao's or an FSDP shard
+            return False
+        return head_digest(weight, bias) == self.manifest["head_digest"]
 
     def read(self, batch: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, ...]:
         """``(hidden (n, d), nll (n,))`` of the batch's scored tokens, each window's rows checked against their digests

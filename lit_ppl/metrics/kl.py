@@ -87,14 +87,16 @@ def token_stats(
     parts: dict[str, list[Tensor]] = {k: [] for k in STATS}
     for start in range(0, targets.shape[0], chunk_size):
         end = start + chunk_size
-        q = head(hidden[start:end]).to(torch.float64)
+        split = vocab_group is not None
+        # Whole rows are log-softmaxed as they come: the float64 logits are never held beside their log-softmax.
+        q = _float64(head(hidden[start:end]), not split)
         with base_context():
-            p = head_base(hidden_base[start:end]).to(torch.float64)
+            p = _float64(head_base(hidden_base[start:end]), not split)
         if q.shape[-1] != p.shape[-1]:
             raise LitPplError(f"the reference's vocabulary has {p.shape[-1]} entries, the model's {q.shape[-1]}")
         tgt = targets[start:end]
-        split = vocab_group is not None
         stats = _vocab_parallel(q, p, tgt, vocab_group, vocab_start) if split else _full_vocab(q, p, tgt)
+        del q, p  # else this chunk's rows stay alive while the next chunk's are computed
         for k, v in zip(("nll", "nll_base", "kld", "kld_rev", "same_top", "top_p"), stats, strict=True):
             parts[k].append(v)
         parts["p_diff"].append(torch.exp(-stats[0]) - torch.exp(-stats[1]))
@@ -105,14 +107,19 @@ def token_stats(
     }
 
 
+def _float64(logits: Tensor, log_softmax: bool) -> Tensor:
+    return logits.to(torch.float64).log_softmax(-1) if log_softmax else logits.to(torch.float64)
+
+
 def _kld(logp: Tensor, logq: Tensor) -> Tensor:
-    p = logp.exp()
-    # p·(log p − log q) with 0·(−inf) taken as 0: tokens the reference gives no mass add nothing.
-    return torch.where(p > 0, p * (logp - logq), 0.0).sum(-1)
+    """``Σ p·(log p − log q)`` per row, with ``0·(−inf)`` taken as 0: tokens the reference gives no mass add nothing.
+    Two rows-sized float64 temporaries (computed in place)."""
+    terms, p = logp - logq, logp.exp()
+    terms.mul_(p)
+    return terms.masked_fill_(~(p > 0), 0.0).sum(-1)
 
 
-def _full_vocab(q: Tensor, p: Tensor, targets: Tensor) -> tuple[Tensor, ...]:
-    logq, logp = q.log_softmax(-1), p.log_softmax(-1)
+def _full_vocab(logq: Tensor, logp: Tensor, targets: Tensor) -> tuple[Tensor, ...]:
     tgt = targets[:, None]
     nll, nll_base = -logq.gather(1, tgt)[:, 0], -logp.gather(1, tgt)[:, 0]
     same = logq.argmax(-1) == logp.argmax(-1)

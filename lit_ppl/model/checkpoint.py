@@ -42,6 +42,19 @@ def checkpoint_root(location: str, hub_id: str, revision: str | None) -> Path | 
         return None
 
 
+def hub_unreachable(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) says the hub could not be reached or offline mode forbade it."""
+    seen: BaseException | None = err
+    while seen is not None:
+        names = {c.__name__ for c in type(seen).__mro__}
+        if names & {"LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectionError", "ConnectError"}:
+            return True
+        if "couldn't connect to" in str(seen).lower():
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def check_safetensors(path: str, root: Path) -> None:
     """Every safetensors file ``from_pretrained`` would read in ``root`` opens: a header that parses and a file as
     long as its tensors need."""
@@ -128,7 +141,7 @@ def tensor_sources(path: str, files: list[Path], lm: Any) -> dict[str, tuple[str
     buffers = {n for n, _ in lm.named_buffers()}
     unexpected = [n for n in found if n not in meta and not _ignored(lm, "unexpected", n, buffers)]
     sources, missing, mismatched = {}, [], []
-    for names in _aliases(lm, meta):
+    for names in aliases(lm, meta):
         have = [n for n in names if n in found]
         if not have:  # a buffer the checkpoint lacks keeps the value the model's __init__ computed
             missing += [n for n in names if n not in buffers]
@@ -145,7 +158,35 @@ def tensor_sources(path: str, files: list[Path], lm: Any) -> dict[str, tuple[str
     return sources
 
 
-def _aliases(lm: Any, meta: dict[str, Any]) -> list[list[str]]:
+class SafetensorsParts:
+    """The tensors :func:`tensor_sources` found, by the model's names; iterate to read them lazily: (model name, a
+    slice handle of the open file, indexed like a tensor). Tied names come once each."""
+
+    def __init__(self, sources: dict[str, tuple[str, str]]) -> None:
+        self.sources = sources
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        from safetensors import safe_open
+
+        for name in sorted(self.sources):
+            file, key = self.sources[name]
+            # Opened per tensor: the pages a slice read stay resident (and in this process's RSS) until it closes.
+            with safe_open(file, "pt") as handle:
+                yield name, _Slice(handle, key)
+
+
+class _Slice:
+    """A safetensors slice that a scalar's empty index also reads."""
+
+    def __init__(self, handle: Any, key: str) -> None:
+        self.handle, self.key, self.part = handle, key, handle.get_slice(key)
+        self.shape = tuple(self.part.get_shape())
+
+    def __getitem__(self, region: tuple[slice, ...]) -> Any:
+        return self.part[region] if self.shape else self.handle.get_tensor(self.key)
+
+
+def aliases(lm: Any, meta: dict[str, Any]) -> list[list[str]]:
     """The model's state-dict names grouped by the tensor they name (tied weights share one), each group's tie
     source (``all_tied_weights_keys``' values) first."""
     groups: dict[int, list[str]] = {}

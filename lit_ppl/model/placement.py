@@ -7,8 +7,8 @@
   reads it, then quantized;
 * a split layout: built on the meta device (no rank but the reader ever holds the whole model), split for tensor
   parallelism (:mod:`lit_ppl.parallel.tensor_parallel`), FSDP-sharded when nothing will be quantized, materialised
-  empty, loaded (each rank reads its own part of a safetensors checkpoint; otherwise one reader reads and every rank
-  keeps its part: :mod:`lit_ppl.parallel.sharding`), quantized — or a
+  empty, loaded (each rank reads its own part of a safetensors checkpoint or a GGUF file; otherwise one reader reads
+  and every rank keeps its part: :mod:`lit_ppl.parallel.sharding`), quantized — or a
   stored checkpoint's codes restored — and then, quantized, its rows sharded by hand and the rest by FSDP (FSDP2
   cannot hold torchao's tensors).
 
@@ -102,7 +102,7 @@ def place(
     tp = tp_group(where.mesh, where.layout)
     lm = spec.build(dtype) if spec.is_builtin else spec.build_empty(dtype)
     expected = set(lm.state_dict())
-    sources = None if spec.is_builtin else spec.tensor_sources(lm)  # before any split: the model's own names
+    parts = None if spec.is_builtin else spec.tensor_parts(lm)  # before any split: the model's own names and shapes
     splits = parallelize(lm, tp) if tp is not None else {}
     scorer = TokenScorer(lm, where.chunk_size, tp)
     if quantizer is None and where.dp_mesh is not None:
@@ -110,8 +110,8 @@ def place(
     read: Any = None
     if not spec.is_builtin:
         materialize(scorer, where.device)
-        if sources is not None:  # every rank reads its own part: no reader, nothing for a quantizer to read
-            load_own_parts(lm, sources, splits, tp)
+        if parts is not None:  # every rank reads its own part: no reader, nothing for a quantizer to read
+            load_own_parts(lm, parts, splits, tp)
         else:
             read = _load(spec, lm, dtype, expected, splits, tp, quantizer, where.broadcast)
         _check_loaded(spec, lm)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,30 +14,20 @@ from torch import nn
 
 from lit_ppl.errors import LitPplError, first_line
 from lit_ppl.model.checkpoint import (
+    SafetensorsParts,
     check_safetensors,
     checkpoint_root,
+    hub_unreachable,
     key_problem,
     safetensors_files,
     tensor_sources,
     without_load_report,
 )
+from lit_ppl.model.gguf_weights import GgufParts
 from lit_ppl.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from lit_ppl.runtime.packages import is_package_url, package_file
 
 BUILTIN = "builtin"
-
-
-def hub_unreachable(err: BaseException) -> bool:
-    """Whether ``err`` (or what caused it) says the hub could not be reached or offline mode forbade it."""
-    seen: BaseException | None = err
-    while seen is not None:
-        names = {c.__name__ for c in type(seen).__mro__}
-        if names & {"LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectionError", "ConnectError"}:
-            return True
-        if "couldn't connect to" in str(seen).lower():
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 @dataclass
@@ -251,15 +241,20 @@ class ModelSpec:
         with torch.device("cpu"):  # never the whole model on one accelerator
             return self.build(dtype).state_dict()
 
-    def tensor_sources(self, lm: nn.Module) -> dict[str, tuple[str, str]] | None:
-        """Where each tensor of ``lm`` (:meth:`build_empty`'s) lies in the safetensors files, for each rank to read
-        its own part (:func:`lit_ppl.model.checkpoint.tensor_sources`); ``None`` where rank 0 reads it through
-        ``from_pretrained``: a GGUF, a quantized checkpoint, remote code, no safetensors (``.bin``), fused experts."""
-        if self.is_builtin or self.gguf_file is not None or self.trust_remote_code or self.stored_quantization():
+    def tensor_parts(self, lm: nn.Module) -> Iterable[tuple[str, Any]] | None:
+        """``lm``'s tensors (:meth:`build_empty`'s, before any split) read one at a time, each rank keeping its part
+        (:func:`~lit_ppl.parallel.sharding.load_own_parts`): a GGUF's or a safetensors checkpoint's; ``None`` where
+        rank 0 reads it by ``from_pretrained``: a quantized checkpoint, remote code, ``.bin`` files, fused experts."""
+        if self.is_builtin or self.trust_remote_code:
             return None
         root = checkpoint_root(self.location, self.path, self.revision)
+        if self.gguf_file is not None:
+            return GgufParts(self.path, root / self.gguf_file, lm) if root is not None else None
         files = safetensors_files(self.path, root) if root is not None else []
-        return tensor_sources(self.path, files, lm) if files else None
+        if self.stored_quantization() or not files:
+            return None
+        sources = tensor_sources(self.path, files, lm)
+        return SafetensorsParts(sources) if sources is not None else None
 
     def config(self) -> Any:
         """The model's transformers config (the built-in model's, or the checkpoint's), without its weights."""
@@ -302,6 +297,11 @@ class ModelSpec:
                 finally:
                     torch.set_default_dtype(default_dtype)
             model = model.to(dtype)
+        elif self.gguf_file is not None and (parts := self.tensor_parts(model := self.build_empty(dtype))):
+            from lit_ppl.parallel.sharding import load_own_parts, materialize
+
+            materialize(model, device or torch.get_default_device())
+            load_own_parts(model, parts, {}, None)  # a tensor at a time: never the whole file dequantized at once
         else:
             placement = {} if device is None else {"device_map": {"": str(device)}}
             with without_load_report():

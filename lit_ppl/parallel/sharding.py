@@ -7,12 +7,15 @@ data-parallel
 shard dimension (replicating over ``dp_replicate``: HSDP).
 
 Loading never puts the whole model on a rank: parameters start on the meta device, are split, materialised empty,
-and every rank reads its own slices of a safetensors checkpoint (:func:`load_own_parts`); where transformers does
-more than rename keys (fused experts, a GGUF, a quantized checkpoint) rank 0 reads it as ``from_pretrained`` does
-and broadcasts one block at a time, each rank keeping its slice (:func:`load_from_rank0`).
+and every rank reads its own slices of a safetensors checkpoint or a GGUF file (:func:`load_own_parts`); where
+transformers does more than rename keys (fused experts, a quantized checkpoint) rank 0 reads it as
+``from_pretrained`` does and broadcasts one block at a time, each rank keeping its slice (:func:`load_from_rank0`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,9 +92,13 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     for owner in module.modules():
         for name, param in owner.named_parameters(recurse=False):
             owners.setdefault(id(param), []).append((owner, name))
+    tied = [o for o in owners.values() if len(o) > 1]
+    for _, *others in tied:  # to_empty would give each module its own tensor: a tied head's copy, freed at once
+        for owner, name in others:
+            owner._parameters[name] = None
     module.to_empty(device=device)
-    for (first, first_name), *others in (o for o in owners.values() if len(o) > 1):
-        for owner, name in others:  # to_empty gives each module its own tensor: tied weights are tied again
+    for (first, first_name), *others in tied:
+        for owner, name in others:
             setattr(owner, name, getattr(first, first_name))
     with torch.no_grad():
         for name, buffer in module.named_buffers():
@@ -163,35 +170,35 @@ def load_from_rank0(
 
 
 def load_own_parts(
-    lm: nn.Module, sources: dict[str, tuple[str, str]], splits: dict[str, int | tuple[int, int, int]], tp: Group | None
+    lm: nn.Module,
+    parts: Iterable[tuple[str, Any]],
+    splits: dict[str, int | tuple[int, int, int]],
+    tp: Group | None,
 ) -> None:
-    """Fill ``lm``'s (split, possibly FSDP-sharded) tensors from safetensors files, each rank reading only the
-    part it holds (``sources``: state-dict name → ``(file, checkpoint key)``; ``splits`` as in
-    :func:`load_from_rank0`). No collective: a rank's host holds its share plus the one slice in flight.
-
-    The file is opened per tensor: ``safe_open`` maps it, and the pages a slice read stay resident (and counted
-    in this process's RSS) until the handle closes.
+    """Fill ``lm``'s (split, possibly FSDP-sharded) tensors from ``parts`` — ``(state-dict name, the whole tensor or a
+    lazy handle to it, indexed like a tensor)`` one at a time (:class:`lit_ppl.model.checkpoint.SafetensorsParts`,
+    :class:`lit_ppl.model.gguf_weights.GgufParts`) — each rank keeping the part it holds (``splits`` as in
+    :func:`load_from_rank0`), a block of rows at a time. No collective: a rank's host holds its share plus at most the
+    one tensor in flight.
     """
-    from safetensors import safe_open
-
     targets = lm.state_dict(keep_vars=True)
     done: set[int] = set()
     with torch.no_grad():
-        for name in sorted(sources):
+        for name, whole in parts:
             target = targets[name]
             if id(target) in done:  # tied weights: one tensor under several names
                 continue
             done.add(id(target))
-            file, key = sources[name]
-            dest = local(target)
-            with safe_open(file, "pt") as handle:
-                part = handle.get_slice(key)
-                shape = tuple(part.get_shape())
-                start, size = kept_region(shape, target, splits.get(name), tp)
-                if shape and 0 in size:  # an uneven shard left this rank nothing
-                    continue
-                region = tuple(slice(a, a + n) for a, n in zip(start, size, strict=True))
-                dest.copy_(part[region] if shape else handle.get_tensor(key))
+            shape, dest = tuple(whole.shape), local(target)
+            if not shape:  # a scalar
+                dest.copy_(whole[()])
+                continue
+            start, size = kept_region(shape, target, splits.get(name), tp)
+            rest = tuple(slice(a, a + n) for a, n in zip(start[1:], size[1:], strict=True))
+            step = max(1, BROADCAST_BYTES // max(1, 4 * torch.Size(size[1:]).numel()))  # float32 rows
+            for r in range(0, size[0], step):  # a block of rows at a time: what a lazy reader holds at once
+                n = min(step, size[0] - r)
+                dest[r : r + n].copy_(whole[(slice(start[0] + r, start[0] + r + n), *rest)])
 
 
 def unloaded(module: nn.Module) -> list[str]:

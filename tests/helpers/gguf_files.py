@@ -76,17 +76,18 @@ def quantize(w: np.ndarray, qtype) -> np.ndarray:
 
 
 def write_gguf(
-    root: Path, tokenizer_dir: Path, qtype_name: str, seed: int = 0, halve: str | None = None
+    root: Path, tokenizer_dir: Path, qtype_name: str, seed: int = 0, halve: str | None = None, **config: int
 ) -> tuple[Path, Path | None]:
-    """A GGUF file of a seeded tiny Llama quantized to ``qtype_name`` (its 2-D weights; norms stay F32) and the
-    plain checkpoint of its dequantized weights. Returns ``(gguf_file, reference_dir)``. ``halve`` names a tensor
-    (as transformers names it) written with half its rows: a file with a tensor of the wrong shape."""
+    """A GGUF file of a seeded tiny Llama (:data:`CONFIG`, updated by ``config``) quantized to ``qtype_name`` (its
+    2-D weights; norms stay F32) and the plain checkpoint of its dequantized weights. Returns ``(gguf_file,
+    reference_dir)``. ``halve`` names a tensor (as transformers names it) written with half its rows: a file with a
+    tensor of the wrong shape."""
     import gguf
     from transformers import LlamaConfig, LlamaForCausalLM
 
     qtype = gguf.GGMLQuantizationType[qtype_name]
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+    model = LlamaForCausalLM(LlamaConfig(**{**CONFIG, **config})).eval()
     cfg = model.config
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"tiny-llama-{qtype_name}.gguf"
@@ -107,6 +108,8 @@ def write_gguf(
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
     dequantized = {}
     for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:  # llama.cpp writes a tied head once: token_embd
+            continue
         base, suffix = hf_name.rsplit(".", 1)
         w = tensor.numpy().astype(np.float32)
         if hf_name == halve:
@@ -129,6 +132,8 @@ def write_gguf(
     if halve is not None:  # no model has these shapes: no reference either
         return path, None
 
+    if cfg.tie_word_embeddings:
+        dequantized["lm_head.weight"] = dequantized["model.embed_tokens.weight"]
     model.load_state_dict(dequantized)
     ref = root / f"dequantized-{qtype_name}"
     model.save_pretrained(ref)
