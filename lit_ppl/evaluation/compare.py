@@ -28,6 +28,7 @@ from lit_ppl.model.placement import place, place_head
 from lit_ppl.model.scorer import CHECK_TOLERANCE, CHECK_TOLERANCE_16BIT, TokenScorer, check_scorer
 from lit_ppl.model.spec import ModelSpec
 from lit_ppl.quant.quantizer import Quantizer
+from lit_ppl.runtime.memory import map_large_blocks
 
 
 class KLModule(PerplexityModule):
@@ -48,6 +49,11 @@ class KLModule(PerplexityModule):
         self.kl = KLDivergence(exact=self.deterministic)
         self.compare_result: dict[str, Any] = {}
         self.noise_windows, self.noise_floor = noise_floor, None
+
+    def on_validation_start(self) -> None:
+        if self.device.type == "cpu":
+            map_large_blocks()  # the chunks' logits would fragment the heap by gigabytes over a few steps
+        super().on_validation_start()
 
     def stats(self, hidden: Tensor, targets: Tensor, scorer: TokenScorer, hidden_base: Tensor, head_base: Any) -> Any:
         """:func:`token_stats` of the candidate (``scorer``'s head) against a reference's hidden states and head."""

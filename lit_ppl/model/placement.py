@@ -43,7 +43,7 @@ from lit_ppl.parallel.sharding import (
     weight_bytes,
 )
 from lit_ppl.parallel.tensor_parallel import Group, parallelize
-from lit_ppl.runtime.memory import map_gathered_buffers
+from lit_ppl.runtime.memory import map_large_blocks
 
 __all__ = ["Placement", "Quantizes", "place", "place_head", "weight_bytes"]
 
@@ -98,7 +98,7 @@ def place(
         report = quantizer.quantize(lm, None, {}, None) if quantizer is not None else None
         return _compiled(TokenScorer(lm, where.chunk_size), where), report
     if where.dp_mesh is not None and where.device.type == "cpu":
-        map_gathered_buffers()  # FSDP's gathered units would fragment the heap to a whole model's worth
+        map_large_blocks()  # FSDP's gathered units would fragment the heap to a whole model's worth
     tp = tp_group(where.mesh, where.layout)
     lm = spec.build(dtype) if spec.is_builtin else spec.build_empty(dtype)
     expected = set(lm.state_dict())

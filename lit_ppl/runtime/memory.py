@@ -35,14 +35,14 @@ def release_free_host_memory() -> None:
 
 # Blocks from glibc's heap up to this size (mallopt M_MMAP_THRESHOLD); larger ones are mapped and unmapped.
 _heap_blocks_up_to = [32 << 20]
-GATHERED_HEAP_BLOCKS_UP_TO = 1 << 20  # under FSDP on CPU: see map_gathered_buffers
+LARGE_BLOCK = 1 << 20  # under FSDP or a comparison on CPU: see map_large_blocks
 
 
 def keep_freed_memory_in_heap() -> None:
     """Keep a step's freed activations in glibc's heap instead of unmapping them (a no-op elsewhere).
 
     Without it every CPU step faults its activations in again (benchmarks/README.md, "page faults per step").
-    Blocks up to 32 MB (1 MiB under :func:`map_gathered_buffers`) come from the heap and up to 64 MB of free heap
+    Blocks up to 32 MB (1 MiB under :func:`map_large_blocks`) come from the heap and up to 64 MB of free heap
     stay mapped (mallopt's M_MMAP_THRESHOLD is -3, M_TRIM_THRESHOLD -1).
     """
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to tune
@@ -51,16 +51,19 @@ def keep_freed_memory_in_heap() -> None:
         libc.mallopt(-1, 64 << 20)
 
 
-def map_gathered_buffers() -> None:
-    """Blocks of 1 MiB and more from ``mmap``, returned to the OS when freed: for FSDP on CPU (a no-op elsewhere).
+def map_large_blocks() -> None:
+    """Blocks of 1 MiB and more from ``mmap``, returned to the OS when freed: for FSDP and comparisons on CPU (a no-op
+    elsewhere).
 
     FSDP2 allocates each unit's all-gather buffers and unsharded parameters at every forward and frees them after
-    it; from glibc's heap, their interleaved sizes fragment it and the resident size grows by about 2.5 units per
-    unit, a whole model's worth over one forward (benchmarks/README.md, "memory per phase").
+    it; a comparison, its chunks' logits and masks (tens of MB each) between small per-chunk results. From glibc's
+    heap, the interleaved sizes fragment it: the resident size grew by about a whole model's worth over one FSDP
+    forward, and by 3.3 GB over 4 steps of a comparison of a 262k vocabulary (benchmarks/README.md, "memory per
+    phase", "the comparison's memory").
     """
-    _heap_blocks_up_to[0] = GATHERED_HEAP_BLOCKS_UP_TO
+    _heap_blocks_up_to[0] = LARGE_BLOCK
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(-3, GATHERED_HEAP_BLOCKS_UP_TO)
+        ctypes.CDLL("libc.so.6").mallopt(-3, LARGE_BLOCK)
 
 
 def rank_peak_memory(device: Any) -> tuple[int, int]:
