@@ -63,13 +63,12 @@ def part1(tmp: Path, model: Path, text: Path, seq: int) -> None:
     print(f"\n{model.name}: {tokens:,} tokens, seq {seq}, 32-true")
     print(table(rows, ["run", "peak RSS (MB)", "seconds", "chunk_size"]))
     print(f"store: {size / 2**20:.1f} MiB = {(size - head) / tokens:.1f} bytes/token + head {head / 2**20:.1f} MiB")
-    for kind in ("int8", "float"):
-        live, saved = runs[f"{kind} compare=unquantized (live)"], runs[f"{kind} compare=saved"]
-        print(
-            f"{kind}: live - saved peak RSS {live['rank_peak_rss_mb'][0] - saved['rank_peak_rss_mb'][0]:.0f} MB; "
-            f"mean KLD {saved['compare']['kld_mean']:.6g}; largest relative difference of any statistic, live vs "
-            f"saved: {worst(live['compare'], saved['compare']):.3g}"
-        )
+    live, saved = runs["int8 compare=unquantized (live)"], runs["int8 compare=saved"]
+    print(
+        f"live - saved peak RSS {live['rank_peak_rss_mb'][0] - saved['rank_peak_rss_mb'][0]:.0f} MB; mean KLD "
+        f"{saved['compare']['kld_mean']:.6g}; largest relative difference of any statistic, live vs saved: "
+        f"{worst(live['compare'], saved['compare']):.3g}; reference head: {saved['reference_store']['head']}"
+    )
 
 
 def part2(tmp: Path, text: Path) -> None:
@@ -100,13 +99,15 @@ def main() -> None:
     p.add_argument("--max-bytes", type=int, default=150_000, help="WikiText-2 bytes scored in part 1")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--part", choices=("1", "2", "both"), default="both")
+    p.add_argument("--model", type=Path, default=None, help="part 1's model (default: SmolLM2-135M, else stories260K)")
     args = p.parse_args()
     require_shared()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         text = cut_text(WIKITEXT, args.max_bytes, tmp / "wiki.txt")
         if args.part in ("1", "both"):
-            part1(tmp / "p1", SMOLLM2 if (SMOLLM2 / "config.json").is_file() else STORIES, text, args.seq)
+            model = args.model or (SMOLLM2 if (SMOLLM2 / "config.json").is_file() else STORIES)
+            part1(tmp / "p1", model, text, args.seq)
         if args.part in ("2", "both"):
             part2(tmp / "p2", cut_text(WIKITEXT, 40_000, tmp / "short.txt"))
 
