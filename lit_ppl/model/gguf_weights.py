@@ -1,9 +1,10 @@
-"""A GGUF file's weights one tensor at a time, each rank keeping its part.
+"""A GGUF file's weights read into the model a block of rows at a time, each rank keeping its part.
 
 Each tensor is dequantized by gguf-py (llama.cpp's definitions, in numpy) and renamed, un-permuted or reshaped by
 transformers' own GGUF tensor processors and name map — what ``from_pretrained(gguf_file=...)`` does. Written here
 because transformers' loader dequantizes every tensor into one state dict before the model takes any (a whole float
-copy of the model beside it: 3.3 GB for a 253 MB file of a 270M model); this reader holds one tensor at a time.
+copy of the model beside it: peak 2.76 GB for a 1.05 GB model, 1.78 GB this way; benchmarks/README.md). A tensor the
+processor passes through unchanged (nearly all) is dequantized only in the rows being copied.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ DEQUANTIZE_BYTES = 4 * 2**20  # the float32 rows dequantized at once
 
 class GgufParts:
     """The tensors of ``lm`` (as built, on the meta device: taken before any split) in a GGUF file, by the model's
-    names; iterate to read them one at a time (model name, float32 tensor of the whole weight)."""
+    names; iterate to read them one at a time: (model name, a handle that dequantizes the rows it is indexed with, or
+    the whole float32 tensor where the processor rearranged it). A missing or misshapen tensor: one line."""
 
     def __init__(self, model_path: str, file: Path, lm: nn.Module) -> None:
         from gguf import GGUFReader
@@ -78,7 +80,7 @@ class GgufParts:
 
 def _dequantized(data: np.ndarray, qtype: Any) -> np.ndarray:
     """gguf-py's ``dequantize`` a block of rows at a time into one float32 array: its numpy temporaries, several
-    times its output, stay a block's size, not the tensor's (805 MB for a 262k × 768 embedding)."""
+    times its output, stay a block's size, not the tensor's."""
     from gguf import dequantize
 
     if data.ndim < 2:

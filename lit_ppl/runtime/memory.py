@@ -58,8 +58,8 @@ def map_large_blocks() -> None:
     FSDP2 allocates each unit's all-gather buffers and unsharded parameters at every forward and frees them after
     it; a comparison, its chunks' logits and masks (tens of MB each) between small per-chunk results. From glibc's
     heap, the interleaved sizes fragment it: the resident size grew by about a whole model's worth over one FSDP
-    forward, and by 3.3 GB over 4 steps of a comparison of a 262k vocabulary (benchmarks/README.md, "memory per
-    phase", "the comparison's memory").
+    forward, and by gigabytes over the 4 steps of a comparison of a 262k vocabulary (benchmarks/README.md, "Memory per
+    phase and per rank", "compare=saved's memory").
     """
     _heap_blocks_up_to[0] = LARGE_BLOCK
     with contextlib.suppress(OSError, AttributeError):
