@@ -103,16 +103,17 @@ class SavedReference:
         """The stored head (``rows``: this rank's vocabulary slice), or ``own`` — the model's whole, plain head —
         where its weights are the stored ones (the same digest: a quantization that keeps the head, compared with
         its own float model), which then is not held twice."""
-        m = self.manifest
-        if own is not None and m.get("head_digest") and self.is_stored(own):
-            return StoredHead({"weight": own.weight, "bias": own.bias, "scale": m["scale"], "softcap": m["softcap"]})
         try:  # weights_only: tensors and numbers, never code (the digest was checked when the store was opened)
-            saved = torch.load(self.dir / HEAD, map_location="cpu", weights_only=True)
+            # Memory-mapped: its pages are read only where used, never when the model's own head serves.
+            saved = torch.load(self.dir / HEAD, map_location="cpu", weights_only=True, mmap=True)
         except Exception as err:  # UnpicklingError, RuntimeError, EOFError...: a file this lit-ppl did not save
             raise self.error(f"{HEAD} is not a head lit-ppl saved ({type(err).__name__})") from None
         weight = saved.get("weight") if isinstance(saved, dict) else None
         if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.shape[1] != self.manifest["hidden"]:
             raise self.error(f"{HEAD} holds no (vocabulary, {self.manifest['hidden']}) weight")
+        m = self.manifest
+        if own is not None and m.get("head_digest") and self.is_stored(own):
+            return StoredHead({"weight": own.weight, "bias": own.bias, "scale": m["scale"], "softcap": m["softcap"]})
         return StoredHead(saved, rows)
 
     def is_stored(self, head: nn.Module) -> bool:

@@ -151,6 +151,7 @@ RESULT_KEYS: tuple[ResultKey, ...] = (
     ResultKey("reference_store.model", "str", "the model that wrote it"),
     ResultKey("reference_store.dtype", "str", "the stored hidden states' dtype"),
     ResultKey("reference_store.quant", "dict | null", "the saving run's quantization"),
+    ResultKey("reference_store.head", "str", "the model's own (its head has the stored digest) or stored"),
     # A comparison (llama.cpp's --kl-divergence names; probabilities as fractions).
     ResultKey("compare", "dict", "compare=unquantized|saved: the candidate against the reference, token by token"),
     ResultKey("compare.tokens", "int", "tokens compared"),
