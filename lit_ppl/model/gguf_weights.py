@@ -56,8 +56,7 @@ class GgufParts:
                     tensor_key_mapping=self.names,
                     parsed_parameters=parsed,
                 )
-                weights = done.weights if done.weights.flags.writeable else done.weights.copy()  # F32: the file's map
-                name, whole = done.name, torch.from_numpy(np.ascontiguousarray(weights))
+                name, whole = done.name, _tensor(done.weights)
             if name in self.names:  # transformers drops the rest too (llama.cpp's rope_freqs, ...)
                 read.add(self.names[name])
                 yield self.names[name], self._checked(self.names[name], whole)
@@ -119,4 +118,9 @@ class _Rows:
         from gguf import dequantize
 
         rows, columns = region
-        return torch.from_numpy(dequantize(self.data[rows], self.qtype)[:, columns])
+        return _tensor(dequantize(self.data[rows], self.qtype)[:, columns])
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """``array`` as a tensor; copied where it is the file's read-only map (an F32 tensor: gguf-py returns a view)."""
+    return torch.from_numpy(np.ascontiguousarray(array) if array.flags.writeable else array.copy())
