@@ -141,6 +141,42 @@ def test_vocab_parallel_cross_entropy_equals_the_whole_vocabulary():
             assert gathered
 
 
+def _row_parallel_worker(rank: int, world: int, port: int, out: dict) -> None:
+    from lit_ppl.quant.calibrated.split import TpView, whole_matmuls
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        gen = torch.Generator().manual_seed(0)
+        x, w, b = torch.randn(37, 576, generator=gen), torch.randn(96, 576, generator=gen) / 24, torch.randn(96)
+        group = tensor_parallel.Group(dist.group.WORLD, rank, world)
+        lm = torch.nn.Module()
+        lm.o_proj = torch.nn.Linear(576, 96)
+        lm.o_proj.weight = torch.nn.Parameter(tensor_parallel.split(w, 1, group).clone(), requires_grad=False)
+        lm.o_proj.bias = torch.nn.Parameter(b, requires_grad=False)
+        lm.o_proj.__class__, lm.o_proj.tp = tensor_parallel.RowParallelLinear, group
+        mine = tensor_parallel.split(x, 1, group)
+        with torch.no_grad(), whole_matmuls(lm, TpView(group, {"o_proj.weight": 1})):
+            whole = lm.o_proj(mine)
+        with torch.no_grad():
+            out[rank] = (whole, lm.o_proj(mine), torch.nn.functional.linear(x, w, b))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_calibration_runs_a_row_parallel_layer_as_one_process_does():
+    """While calibration observes, a row-parallel layer gathers its input and weight for one matmul: one process's
+    activations bit for bit (GPTQ's codes follow a Hessian's last bit); after it, the split matmul again."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_row_parallel_worker, args=(3, free_port(), out), nprocs=3)
+        for rank in range(3):
+            whole, split, full = out[rank]
+            assert torch.equal(whole, full)
+            torch.testing.assert_close(split, full)  # the split matmul's own sum: the same to rounding
+
+
 # -- whole runs through the entry: the same number in every layout ----------------------------------------------------
 
 

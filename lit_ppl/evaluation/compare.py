@@ -55,12 +55,30 @@ class KLModule(PerplexityModule):
             map_large_blocks()  # the chunks' logits would fragment the heap by gigabytes over a few steps
         super().on_validation_start()
 
-    def stats(self, hidden: Tensor, targets: Tensor, scorer: TokenScorer, hidden_base: Tensor, head_base: Any) -> Any:
-        """:func:`token_stats` of the candidate (``scorer``'s head) against a reference's hidden states and head."""
+    def stats(
+        self,
+        hidden: Tensor,
+        targets: Tensor,
+        scorer: TokenScorer,
+        hidden_base: Tensor,
+        head_base: Any,
+        lockstep: Any = None,
+    ) -> Any:
+        """:func:`token_stats` of the candidate (``scorer``'s head) against a reference's hidden states and head
+        (``lockstep``: the reference's, when its head is held by rows and the candidate's is not)."""
         group = scorer.tp.group if scorer.tp is not None else None
         start = int(getattr(scorer.head_module, "vocab_start", 0))
         return token_stats(
-            hidden, hidden_base, targets, scorer.head, head_base, self.chunk_size, self._base_context, group, start
+            hidden,
+            hidden_base,
+            targets,
+            scorer.head,
+            head_base,
+            self.chunk_size,
+            self._base_context,
+            group,
+            start,
+            scorer.lockstep or lockstep,
         )
 
     def _base_context(self) -> contextlib.AbstractContextManager:
@@ -134,7 +152,7 @@ class CompareModule(KLModule):
     def reference_stats(self, batch: dict[str, Any], hidden: Tensor, scorer: TokenScorer) -> dict[str, Tensor]:
         # Inside the candidate's forward; the reference's forward nests in it, so both heads are gathered.
         def compare(hidden_base: Tensor, reference: TokenScorer) -> dict[str, Tensor]:
-            return self.stats(hidden, batch["targets"], scorer, hidden_base, reference.head)
+            return self.stats(hidden, batch["targets"], scorer, hidden_base, reference.head, reference.lockstep)
 
         ids, index, targets = batch["input_ids"], batch["score_index"], batch["targets"]
         return self.reference(ids, index, targets, then=compare, context=self._base_context)

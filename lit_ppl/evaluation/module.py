@@ -87,7 +87,10 @@ class PerplexityModule(L.LightningModule):
         if self.scorer is not None:
             return
         broadcast = self.trainer.strategy.broadcast if self._trainer is not None else lambda obj: obj
-        self.placement = Placement(self.layout, self.device, self.chunk_size, broadcast, self.compile_decoder)
+        rows = not self.deterministic  # a vocabulary by rows cuts the head's matmul: not one process's bits
+        self.placement = Placement(
+            self.layout, self.device, self.chunk_size, broadcast, self.compile_decoder, vocab_rows=rows
+        )
         if self.placement.split:
             self.accumulate = self.layout.tp_rank(self.global_rank) == 0
         self.scorer, self.quant_report = place(self.spec, self.placement, self.precision.weights, self.quantize)

@@ -157,7 +157,8 @@ def _window(module: Any, reference: Reference, exact64: TokenScorer, batch: dict
 
     def against(hidden: torch.Tensor, run: TokenScorer) -> dict[str, Any]:
         def stats(hidden64: torch.Tensor, base: TokenScorer) -> dict[str, Any]:
-            return token_stats(hidden, hidden64, targets, run.head, base.head, module.chunk_size, exact, group, start)
+            chunk, lockstep = module.chunk_size, run.lockstep or base.lockstep
+            return token_stats(hidden, hidden64, targets, run.head, base.head, chunk, exact, group, start, lockstep)
 
         return exact64(ids, index, targets, then=stats, context=exact)
 

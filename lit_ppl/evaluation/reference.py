@@ -132,7 +132,7 @@ def full_head(scorer: TokenScorer) -> dict[str, torch.Tensor]:
     head = scorer.head_module
     out = {}
     for name in ("weight", "bias"):
-        t = getattr(head, name, None)
+        t = head.full_weight() if name == "weight" and hasattr(head, "full_weight") else getattr(head, name, None)
         if t is None:
             continue
         if hasattr(t, "full_tensor"):  # an FSDP2 shard

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lit_ppl.errors import LitPplError
+from lit_ppl.metrics.chunks import agreed_chunks
 from lit_ppl.metrics.exact import SumStates
 from lit_ppl.metrics.histogram import LogBins, coarse, percentiles
 from lit_ppl.metrics.perplexity import mean_stderr
@@ -65,6 +66,7 @@ def token_stats(
     base_context: Callable[[], Any] = contextlib.nullcontext,
     vocab_group: Any = None,
     vocab_start: int = 0,
+    lockstep: Any = None,
 ) -> dict[str, Tensor]:
     """Per-token NLLs, KL(base ‖ candidate) both ways, Δp, top-1 agreement and the base's top-1 probability,
     ``chunk_size`` positions at a time.
@@ -79,14 +81,15 @@ def token_stats(
         vocab_group: under tensor parallelism, the process group over which both heads split the vocabulary (each
             rank's heads give the same slice, starting at ``vocab_start``): every statistic is then a sum, max or min
             over the slices (:func:`_vocab_parallel`), four all-reduces per chunk, never a full row of logits.
+        lockstep: as for :func:`lit_ppl.model.nll.chunked_nll` (heads held by FSDP-sharded blocks of rows).
 
     Returns:
         ``nll``, ``nll_base``, ``kld`` (KL(base ‖ candidate)), ``kld_rev`` (KL(candidate ‖ base)), ``p_diff``,
         ``top_p`` (the base's largest probability; float64) and ``same_top`` (bool), each ``(n,)``.
     """
     parts: dict[str, list[Tensor]] = {k: [] for k in STATS}
-    for start in range(0, targets.shape[0], chunk_size):
-        end = start + chunk_size
+    for k in range(agreed_chunks(targets.shape[0], chunk_size, lockstep, hidden.device)):
+        start, end = k * chunk_size, (k + 1) * chunk_size
         split = vocab_group is not None
         # Whole rows are log-softmaxed as they come: the float64 logits are never held beside their log-softmax.
         q = _float64(head(hidden[start:end]), not split)

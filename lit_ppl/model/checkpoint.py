@@ -166,24 +166,27 @@ class SafetensorsParts:
         self.sources = sources
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
-        from safetensors import safe_open
-
         for name in sorted(self.sources):
-            file, key = self.sources[name]
-            # Opened per tensor: the pages a slice read stay resident (and in this process's RSS) until it closes.
-            with safe_open(file, "pt") as handle:
-                yield name, _Slice(handle, key)
+            yield name, _Slice(*self.sources[name])
 
 
 class _Slice:
-    """A safetensors slice that a scalar's empty index also reads."""
+    """A tensor of a safetensors file, indexed like a tensor (a scalar by its empty index). The file is opened per
+    read: safetensors maps it, and the pages a read touches stay in this process's RSS until it closes — a rank's
+    share of a 768 MiB embedding table, read block by block through one open file, would all stay resident."""
 
-    def __init__(self, handle: Any, key: str) -> None:
-        self.handle, self.key, self.part = handle, key, handle.get_slice(key)
-        self.shape = tuple(self.part.get_shape())
+    def __init__(self, file: str, key: str) -> None:
+        from safetensors import safe_open
+
+        self.file, self.key = file, key
+        with safe_open(file, "pt") as handle:
+            self.shape = tuple(handle.get_slice(key).get_shape())
 
     def __getitem__(self, region: tuple[slice, ...]) -> Any:
-        return self.part[region] if self.shape else self.handle.get_tensor(self.key)
+        from safetensors import safe_open
+
+        with safe_open(self.file, "pt") as handle:
+            return handle.get_slice(self.key)[region] if self.shape else handle.get_tensor(self.key)
 
 
 def aliases(lm: Any, meta: dict[str, Any]) -> list[list[str]]:

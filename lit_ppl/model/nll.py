@@ -10,17 +10,24 @@ The cross-entropy is computed in the chunk's own memory: ``F.cross_entropy`` wou
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from lit_ppl.errors import LitPplError
+from lit_ppl.metrics.chunks import agreed_chunks
 
 Head = Callable[[torch.Tensor], torch.Tensor]
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def chunked_nll(
-    hidden: torch.Tensor, targets: torch.Tensor, head: Head, chunk_size: int = 1024, loss: Loss | None = None
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: Head,
+    chunk_size: int = 1024,
+    loss: Loss | None = None,
+    lockstep: Any = None,
 ) -> torch.Tensor:
     """Negative log-likelihood of ``targets`` given ``hidden`` states, computed ``chunk_size`` rows at a time.
 
@@ -31,6 +38,8 @@ def chunked_nll(
         chunk_size: rows per chunk; peak extra memory is ``chunk_size × vocab`` float32 values.
         loss: ``loss(logits, targets)``, free to overwrite ``logits``; :func:`cross_entropy_` by default (a
             vocabulary-parallel head passes :func:`lit_ppl.parallel.tensor_parallel.vocab_parallel_cross_entropy_`).
+        lockstep: the process group whose ranks must call ``head`` equally often (a head held by FSDP-sharded
+            blocks of rows, :mod:`lit_ppl.parallel.vocab_rows`): each calls it as often as the one with most rows.
 
     Returns:
         ``(n,)`` float32 (or float64 for float64 inputs) per-token NLL in nats.
@@ -48,8 +57,8 @@ def chunked_nll(
     loss = loss or cross_entropy_
     out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     out = torch.empty(targets.shape[0], dtype=out_dtype, device=hidden.device)
-    for start in range(0, targets.shape[0], chunk_size):
-        end = start + chunk_size
+    for k in range(agreed_chunks(targets.shape[0], chunk_size, lockstep, hidden.device)):
+        start, end = k * chunk_size, (k + 1) * chunk_size
         logits = head(hidden[start:end]).to(out_dtype)  # (m, vocab), never wider than one chunk
         out[start:end] = loss(logits, targets[start:end])
         del logits  # else this chunk's logits stay alive while the next chunk's are computed: twice the peak

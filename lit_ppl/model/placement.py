@@ -31,6 +31,7 @@ from lit_ppl.model.scorer import TokenScorer
 from lit_ppl.model.spec import ModelSpec
 from lit_ppl.parallel.layout import Layout
 from lit_ppl.parallel.sharding import (
+    decoder_blocks,
     device_mesh,
     fsdp_mesh,
     fully_shard_blocks,
@@ -43,6 +44,7 @@ from lit_ppl.parallel.sharding import (
     weight_bytes,
 )
 from lit_ppl.parallel.tensor_parallel import Group, parallelize
+from lit_ppl.parallel.vocab_rows import hold_by_rows
 from lit_ppl.runtime.memory import map_large_blocks
 
 __all__ = ["Placement", "Quantizes", "place", "place_head", "weight_bytes"]
@@ -62,8 +64,10 @@ class Quantizes(Protocol):
 @dataclass
 class Placement:
     """Where the run's models go: the rank ``layout`` (``None``: one process) and its device ``mesh``, the
-    ``device``, positions per output-head chunk, whether the decoder is compiled, and how one Python object goes
-    from rank 0 to every rank (Lightning's ``strategy.broadcast``; the identity in one process)."""
+    ``device``, positions per output-head chunk, whether the decoder is compiled, how one Python object goes
+    from rank 0 to every rank (Lightning's ``strategy.broadcast``; the identity in one process), and whether FSDP
+    may hold a large vocabulary by blocks of rows (:mod:`lit_ppl.parallel.vocab_rows`; not in deterministic mode:
+    its head's matmuls are cut by vocabulary, which rounds like one process's only in some dtypes)."""
 
     layout: Layout | None
     device: torch.device
@@ -71,6 +75,7 @@ class Placement:
     broadcast: Callable[[Any], Any]
     compile_decoder: bool = False
     mesh: Any = None
+    vocab_rows: bool = True
 
     def __post_init__(self) -> None:
         if self.split and self.mesh is None:  # every rank builds it at the same point: it creates process groups
@@ -104,7 +109,13 @@ def place(
     expected = set(lm.state_dict())
     parts = None if spec.is_builtin else spec.tensor_parts(lm)  # before any split: the model's own names and shapes
     splits = parallelize(lm, tp) if tp is not None else {}
-    scorer = TokenScorer(lm, where.chunk_size, tp)
+    lockstep = None
+    # A reader's broadcast fills whole tensors; a compiled decoder keeps its embedding's plain lookup.
+    by_rows = where.vocab_rows and not where.compile_decoder and (parts is not None or spec.is_builtin)
+    fsdp_alone = quantizer is None and where.dp_mesh is not None and tp is None
+    if fsdp_alone and by_rows and hold_by_rows(lm, max(weight_bytes(block) for block in decoder_blocks(lm))):
+        lockstep = where.mesh["dp_shard"].get_group()
+    scorer = TokenScorer(lm, where.chunk_size, tp, lockstep)
     if quantizer is None and where.dp_mesh is not None:
         fully_shard_blocks(scorer, where.dp_mesh, set())
     read: Any = None

@@ -83,10 +83,12 @@ class TokenScorer(nn.Module):
 
     A module of its own (rather than calls on the LM's parts) so that FSDP's root hooks fire around it: the final
     norm (and tied embeddings and head) live at the root of the sharded tree. Under tensor parallelism
-    (``tp``) the head gives this rank's slice of the vocabulary and the loss reduces over the group.
+    (``tp``) the head gives this rank's slice of the vocabulary and the loss reduces over the group. With the
+    vocabulary held by FSDP-sharded blocks of rows (:mod:`lit_ppl.parallel.vocab_rows`), ``lockstep`` is the group
+    whose ranks call the head in step.
     """
 
-    def __init__(self, lm: nn.Module, chunk_size: int, tp: Group | None = None) -> None:
+    def __init__(self, lm: nn.Module, chunk_size: int, tp: Group | None = None, lockstep: Any = None) -> None:
         super().__init__()
         self.lm = lm
         routed = any(type(m).__name__.endswith("Experts") for m in lm.modules())
@@ -97,6 +99,7 @@ class TokenScorer(nn.Module):
         self.head_module = head
         self.chunk_size = chunk_size
         self.tp = tp
+        self.lockstep = lockstep  # the group whose ranks call the head equally often (its vocabulary held by rows)
         self.loss = None if tp is None else partial(vocab_parallel_cross_entropy_, start=head.vocab_start, tp=tp)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -130,7 +133,7 @@ class TokenScorer(nn.Module):
 
     def nll(self, scored: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-token NLL of hidden states ``scored`` ``(n, d)`` through this model's head, chunk by chunk."""
-        return chunked_nll(scored, targets, self.head, self.chunk_size, self.loss)
+        return chunked_nll(scored, targets, self.head, self.chunk_size, self.loss, self.lockstep)
 
     def release_head(self) -> None:
         """Free the gathered output head once every chunk is scored (an FSDP2 unit kept gathered across chunks)."""

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from lit_ppl.errors import LitPplError
 from lit_ppl.parallel.layout import Layout
 from lit_ppl.parallel.tensor_parallel import Group, all_gather_uneven, split_sizes
+from lit_ppl.parallel.vocab_rows import Held, row_blocks, row_targets
 from lit_ppl.runtime.memory import tensor_bytes
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -67,10 +68,11 @@ def fully_shard_blocks(scorer: nn.Module, mesh: DeviceMesh, ignored: set[nn.Para
     """
     from torch.distributed.fsdp import fully_shard
 
-    for block in decoder_blocks(scorer.lm):
+    for block in [*decoder_blocks(scorer.lm), *row_blocks(scorer.lm)]:
         fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=ignored)
     embed, head = scorer.lm.get_input_embeddings(), scorer.lm.get_output_embeddings()
-    if head is not None and head.weight is not embed.weight:
+    held = isinstance(embed, Held) or isinstance(head, Held)  # a vocabulary by rows: its blocks are units
+    if not held and head is not None and head.weight is not embed.weight:
         # Units of their own, as torchtitan shards them: with a large vocabulary they are the biggest tensors, and
         # in the root they would stay gathered through the whole forward. The head is called once per chunk of
         # positions: it stays gathered until the scorer has scored them all (TokenScorer.forward reshards it).
@@ -182,23 +184,32 @@ def load_own_parts(
     one tensor in flight.
     """
     targets = lm.state_dict(keep_vars=True)
+    by_rows = row_targets(lm)  # a vocabulary held by blocks of rows: each block is a target of its own
     done: set[int] = set()
     with torch.no_grad():
         for name, whole in parts:
-            target = targets[name]
-            if id(target) in done:  # tied weights: one tensor under several names
+            first = by_rows[name][0][1] if name in by_rows else targets[name]
+            if id(first) in done:  # tied weights: one tensor under several names
                 continue
-            done.add(id(target))
-            shape, dest = tuple(whole.shape), local(target)
+            done.add(id(first))
+            shape = tuple(whole.shape)
             if not shape:  # a scalar
-                dest.copy_(whole[()])
+                local(first).copy_(whole[()])
                 continue
-            start, size = kept_region(shape, target, splits.get(name), tp)
-            rest = tuple(slice(a, a + n) for a, n in zip(start[1:], size[1:], strict=True))
-            step = max(1, BROADCAST_BYTES // max(1, 4 * torch.Size(size[1:]).numel()))  # float32 rows
-            for r in range(0, size[0], step):  # a block of rows at a time: what a lazy reader holds at once
-                n = min(step, size[0] - r)
-                dest[r : r + n].copy_(whole[(slice(start[0] + r, start[0] + r + n), *rest)])
+            for offset, target in by_rows.get(name, [(0, first)]):
+                block = (target.shape[0], *shape[1:]) if name in by_rows else shape
+                start, size = kept_region(block, target, splits.get(name), tp)
+                start[0] += offset
+                _copy_rows(local(target), whole, start, size)
+
+
+def _copy_rows(dest: torch.Tensor, whole: Any, start: list[int], size: list[int]) -> None:
+    """``dest[:] = whole[start : start + size]`` a block of rows at a time: what a lazy reader holds at once."""
+    rest = tuple(slice(a, a + n) for a, n in zip(start[1:], size[1:], strict=True))
+    step = max(1, BROADCAST_BYTES // max(1, 4 * torch.Size(size[1:]).numel()))  # float32 rows
+    for r in range(0, size[0], step):
+        n = min(step, size[0] - r)
+        dest[r : r + n].copy_(whole[(slice(start[0] + r, start[0] + r + n), *rest)])
 
 
 def unloaded(module: nn.Module) -> list[str]:

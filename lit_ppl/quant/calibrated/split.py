@@ -6,18 +6,25 @@ its input whole) or a block of input columns (row-parallel, its input a slice of
 GPTQ's Hessians are statistics of the whole input and GPTQ feeds each column's rounding error into the other
 columns of the whole row, so a calibrated layer is observed and solved whole, identically on every rank of the
 group (the gathers are the group's own collectives), and each rank keeps its slice: the quantized model is the one
-a single process would build, up to the split matmuls' rounding of the activations.
+a single process would build. While calibration observes, a row-parallel layer runs as one process runs it
+(:func:`whole_matmuls`): its whole input and weight gathered, one matmul, rather than partial products summed over
+the group, whose last bits differ — and GPTQ's rounding decisions, each feeding its error into the next columns,
+turn a last-bit difference in a Hessian into different codes for a fifth of a layer's weights.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
-from lit_ppl.parallel.tensor_parallel import Group, split_sizes
+from lit_ppl.parallel.tensor_parallel import Group, RowParallelLinear, split_sizes
 
 Split = int | tuple[int, int, int]  # parallelize's split of a parameter: a dim, or (dim, parts, index) for a KV head
 
@@ -82,3 +89,32 @@ class TpView:
         sizes = split_sizes(in_features, self.tp.size)
         start = sum(sizes[: self.tp.rank])
         return slice(start, start + sizes[self.tp.rank])
+
+
+@contextmanager
+def whole_matmuls(lm: nn.Module, tp: TpView | None) -> Iterator[None]:
+    """Inside: every row-parallel layer of ``lm`` computes ``F.linear`` of its whole input and whole weight (a
+    quantized one dequantized, as torchao's own linear computes it), so that calibration sees one process's
+    activations bit for bit; the layers' forwards are restored after."""
+    layers = {
+        name: m
+        for name, m in lm.named_modules()
+        if tp is not None
+        and isinstance(m, RowParallelLinear)
+        and getattr(m.weight, "activation_quantization", None) is None  # a per-token input scale: not one matmul
+    }
+    for name, module in layers.items():
+        module.forward = _whole_forward(module, name, tp)
+    try:
+        yield
+    finally:
+        for module in layers.values():
+            del module.forward
+
+
+def _whole_forward(module: nn.Module, name: str, tp: TpView) -> Any:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weight = module.weight.dequantize() if hasattr(module.weight, "__tensor_flatten__") else module.weight
+        return F.linear(tp.whole_input(name, x), tp.whole(f"{name}.weight", weight), module.bias)
+
+    return forward

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lit_ppl.model.scorer import decoder_and_head
-from lit_ppl.quant.calibrated.split import TpView
+from lit_ppl.quant.calibrated.split import TpView, whole_matmuls
 from lit_ppl.quant.calibrated.text import Calibration
 
 
@@ -173,7 +173,7 @@ def _run(
     :meth:`Sums.step`."""
     decoder, head = decoder_and_head(lm)
     device = next(lm.parameters()).device
-    with torch.no_grad():
+    with torch.no_grad(), whole_matmuls(lm, sums.where.tp):
         for k in range(calibration.steps(sums.where.size)):
             if k < len(batches):
                 _forward(decoder, head, calibration, batches[k], device, real_box)

@@ -1,0 +1,128 @@
+"""A vocabulary held by blocks of rows under FSDP (:mod:`lit_ppl.parallel.vocab_rows`): the same lookups and logits
+as the whole table, and on 2 real gloo processes the same NLL as one process, with ranks that score different
+numbers of chunks (every block's all-gather must still have both ranks: a mismatch would hang, here time out)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers.nodes import free_port
+
+from lit_ppl.evaluation.reference import full_head
+from lit_ppl.metrics.kl import token_stats
+from lit_ppl.model.placement import Placement, place
+from lit_ppl.model.scorer import check_scorer
+from lit_ppl.model.spec import ModelSpec
+from lit_ppl.parallel.layout import Layout
+from lit_ppl.parallel.vocab_rows import RowsEmbedding, RowsHead, hold_by_rows, row_targets
+
+CHUNK = 5  # positions per head call: rank 0's 23 take 5 calls, rank 1's 9 take 2
+LENGTHS = (23, 9)
+
+
+def _llama(tied: bool, vocab: int = 512):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_blocks_of_rows_give_the_tables_lookups_and_logits(tied):
+    lm = _llama(tied)
+    ids = torch.randint(0, 512, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = lm(input_ids=ids).logits
+        table = lm.get_input_embeddings().weight.clone()
+        held = hold_by_rows(lm, 16 * 4 * 100)  # 100 rows a block: 6 blocks, the last of 12 rows
+        after = lm(input_ids=ids).logits
+    assert len(held) == (1 if tied else 2) and [len(t.blocks) for t in held] == [6] * len(held)
+    embed, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+    assert isinstance(embed, RowsEmbedding) and isinstance(head, RowsHead) and (embed.rows is head.rows) == tied
+    assert embed.weight.shape == (512, 16) and embed.weight.is_meta  # read for its shape, never for values
+    assert torch.equal(torch.cat([b.weight for b in embed.rows.blocks]), table)
+    assert torch.equal(embed(ids), torch.nn.functional.embedding(ids, table))
+    torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-6)
+    assert set(row_targets(lm)) == {"model.embed_tokens.weight", "lm_head.weight"}  # tied: both names, one table
+    assert [start for start, _ in row_targets(lm)["model.embed_tokens.weight"]] == [0, 100, 200, 300, 400, 500]
+
+
+def test_a_table_of_one_block_or_a_subclass_stays_whole():
+    lm = _llama(True)
+    assert hold_by_rows(lm, 512 * 16 * 4) == []  # the whole table fits in one block
+    lm.model.embed_tokens.max_norm = 1.0  # renormalises rows as it looks them up: not a plain lookup
+    assert hold_by_rows(lm, 16 * 4 * 100) == []
+    assert type(lm.get_input_embeddings()) is torch.nn.Embedding
+
+
+def _worker(rank: int, model: str, port: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.set_num_threads(1)
+
+        def broadcast(obj: object) -> object:
+            box = [obj]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+
+        where = Placement(Layout(dp_replicate=1, dp_shard=2, tp=1), torch.device("cpu"), CHUNK, broadcast)
+        scorer, _ = place(ModelSpec(path=model), where, torch.float32)
+        check_scorer(scorer, torch.device("cpu"))
+        embed, head = scorer.lm.get_input_embeddings(), scorer.lm.get_output_embeddings()
+        held = isinstance(embed, RowsEmbedding) and isinstance(head, RowsHead)
+        reference, _ = place(ModelSpec(path=model), where, torch.float32)  # a live reference: held by rows too
+        ids = torch.randint(0, 512, (1, LENGTHS[rank] + 1), generator=torch.Generator().manual_seed(rank))
+        index, targets = torch.arange(LENGTHS[rank]), ids[0, 1:]
+
+        def compare(hidden: torch.Tensor, run: object) -> dict:
+            def stats(hidden_base: torch.Tensor, base: object) -> dict:
+                return token_stats(hidden, hidden_base, targets, run.head, base.head, CHUNK, lockstep=run.lockstep)
+
+            return reference(ids[:, :-1], index, targets, then=stats)
+
+        with torch.no_grad():
+            nll = scorer(ids[:, :-1], index, targets)
+            kl = scorer(ids[:, :-1], index, targets, then=compare)
+        out[rank] = (held, nll, scorer.lockstep is not None, kl, full_head(scorer)["weight"])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fsdp_holds_the_vocabulary_by_rows_and_scores_as_one_process(tied, tmp_path: Path):
+    model = tmp_path / "llama"
+    _llama(tied).save_pretrained(model)
+    single = Placement(None, torch.device("cpu"), CHUNK, lambda o: o)
+    one, _ = place(ModelSpec(path=str(model)), single, torch.float32)
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_worker, args=(str(model), free_port(), out), nprocs=2)
+        table = one.lm.get_output_embeddings().weight
+        for rank in range(2):
+            held, nll, lockstep, kl, saved = out[rank]
+            assert held and lockstep
+            # The same model as its own reference: the same logits on both sides (float64 statistics).
+            assert torch.equal(kl["nll"], kl["nll_base"]) and not kl["kld"].any() and len(kl["kld"]) == LENGTHS[rank]
+            torch.testing.assert_close(kl["nll"].float(), nll, rtol=1e-5, atol=1e-5)
+            assert torch.equal(saved, table)  # what save_reference writes: the whole head, gathered
+            ids = torch.randint(0, 512, (1, LENGTHS[rank] + 1), generator=torch.Generator().manual_seed(rank))
+            with torch.no_grad():
+                expected = one(ids[:, :-1], torch.arange(LENGTHS[rank]), ids[0, 1:])
+            torch.testing.assert_close(nll, expected, rtol=1e-6, atol=1e-6)
