@@ -5,6 +5,7 @@ numbers of chunks (every block's all-gather must still have both ranks: a mismat
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 from pathlib import Path
 
@@ -71,58 +72,84 @@ def test_a_table_of_one_block_or_a_subclass_stays_whole():
     assert type(lm.get_input_embeddings()) is torch.nn.Embedding
 
 
-def _worker(rank: int, model: str, port: int, out: dict) -> None:
+def _int8() -> object:
+    from lit_ppl.config.quant import quant_config
+    from lit_ppl.quant.quantizer import Quantizer
+
+    return Quantizer(quant_config({"name": "int8"}))
+
+
+def _worker(rank: int, models: list[str], port: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     try:
         torch.set_num_threads(1)
-
-        def broadcast(obj: object) -> object:
-            box = [obj]
-            dist.broadcast_object_list(box, src=0)
-            return box[0]
-
-        where = Placement(Layout(dp_replicate=1, dp_shard=2, tp=1), torch.device("cpu"), CHUNK, broadcast)
-        scorer, _ = place(ModelSpec(path=model), where, torch.float32)
-        check_scorer(scorer, torch.device("cpu"))
-        embed, head = scorer.lm.get_input_embeddings(), scorer.lm.get_output_embeddings()
-        held = isinstance(embed, RowsEmbedding) and isinstance(head, RowsHead)
-        reference, _ = place(ModelSpec(path=model), where, torch.float32)  # a live reference: held by rows too
-        ids = torch.randint(0, 512, (1, LENGTHS[rank] + 1), generator=torch.Generator().manual_seed(rank))
-        index, targets = torch.arange(LENGTHS[rank]), ids[0, 1:]
-
-        def compare(hidden: torch.Tensor, run: object) -> dict:
-            def stats(hidden_base: torch.Tensor, base: object) -> dict:
-                return token_stats(hidden, hidden_base, targets, run.head, base.head, CHUNK, lockstep=run.lockstep)
-
-            return reference(ids[:, :-1], index, targets, then=stats)
-
-        with torch.no_grad():
-            nll = scorer(ids[:, :-1], index, targets)
-            kl = scorer(ids[:, :-1], index, targets, then=compare)
-        out[rank] = (held, nll, scorer.lockstep is not None, kl, full_head(scorer)["weight"])
+        for model in models:
+            out[rank, model] = _scores(rank, model)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_fsdp_holds_the_vocabulary_by_rows_and_scores_as_one_process(tied, tmp_path: Path):
-    model = tmp_path / "llama"
-    _llama(tied).save_pretrained(model)
-    single = Placement(None, torch.device("cpu"), CHUNK, lambda o: o)
-    one, _ = place(ModelSpec(path=str(model)), single, torch.float32)
+def _scores(rank: int, model: str) -> tuple:
+    """On this rank of 2 (fsdp): whether the float and the int8 model hold their vocabulary by rows, the NLL of this
+    rank's ids, the model against itself as a live reference, its whole head as saved, and the int8 model's NLL."""
+
+    def broadcast(obj: object) -> object:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    where = Placement(Layout(dp_replicate=1, dp_shard=2, tp=1), torch.device("cpu"), CHUNK, broadcast)
+    scorer, _ = place(ModelSpec(path=model), where, torch.float32)
+    check_scorer(scorer, torch.device("cpu"))
+    embed, head = scorer.lm.get_input_embeddings(), scorer.lm.get_output_embeddings()
+    held = isinstance(embed, RowsEmbedding) and isinstance(head, RowsHead)
+    reference, _ = place(ModelSpec(path=model), where, torch.float32)  # a live reference: held by rows too
+    ids = torch.randint(0, 512, (1, LENGTHS[rank] + 1), generator=torch.Generator().manual_seed(rank))
+    index, targets = torch.arange(LENGTHS[rank]), ids[0, 1:]
+
+    def compare(hidden: torch.Tensor, run: object) -> dict:
+        def stats(hidden_base: torch.Tensor, base: object) -> dict:
+            return token_stats(hidden, hidden_base, targets, run.head, base.head, CHUNK, lockstep=run.lockstep)
+
+        return reference(ids[:, :-1], index, targets, then=stats)
+
+    int8, _ = place(ModelSpec(path=model), where, torch.float32, _int8())  # its table stays float: by rows
+    held = held and isinstance(int8.lm.get_output_embeddings(), RowsHead) and int8.lockstep is not None
+    with torch.no_grad():
+        nll = scorer(ids[:, :-1], index, targets)
+        kl = scorer(ids[:, :-1], index, targets, then=compare)
+        nll8 = int8(ids[:, :-1], index, targets)
+    return held, nll, scorer.lockstep is not None, kl, full_head(scorer)["weight"], nll8
+
+
+def test_fsdp_holds_the_vocabulary_by_rows_and_scores_as_one_process(tmp_path: Path):
+    models = {tied: tmp_path / ("tied" if tied else "untied") for tied in (True, False)}
+    for tied, model in models.items():
+        _llama(tied).save_pretrained(model)
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(str(model), free_port(), out), nprocs=2)
-        table = one.lm.get_output_embeddings().weight
-        for rank in range(2):
-            held, nll, lockstep, kl, saved = out[rank]
-            assert held and lockstep
-            # The same model as its own reference: the same logits on both sides (float64 statistics).
-            assert torch.equal(kl["nll"], kl["nll_base"]) and not kl["kld"].any() and len(kl["kld"]) == LENGTHS[rank]
-            torch.testing.assert_close(kl["nll"].float(), nll, rtol=1e-5, atol=1e-5)
-            assert torch.equal(saved, table)  # what save_reference writes: the whole head, gathered
-            ids = torch.randint(0, 512, (1, LENGTHS[rank] + 1), generator=torch.Generator().manual_seed(rank))
-            with torch.no_grad():
-                expected = one(ids[:, :-1], torch.arange(LENGTHS[rank]), ids[0, 1:])
-            torch.testing.assert_close(nll, expected, rtol=1e-6, atol=1e-6)
+        mp.spawn(_worker, args=([str(m) for m in models.values()], free_port(), out), nprocs=2)
+        for model, rank in itertools.product(models.values(), range(2)):
+            _check_against_one_process(model, rank, out[rank, str(model)])
+
+
+def _check_against_one_process(model: Path, rank: int, scores: tuple) -> None:
+    single = Placement(None, torch.device("cpu"), CHUNK, lambda o: o)
+    one, _ = place(ModelSpec(path=str(model)), single, torch.float32)
+    table = one.lm.get_output_embeddings().weight
+    one8, _ = place(ModelSpec(path=str(model)), single, torch.float32, _int8())
+    held, nll, lockstep, kl, saved, nll8 = scores
+    assert held and lockstep
+    # The same model as its own reference: the same logits on both sides (float64 statistics).
+    assert torch.equal(kl["nll"], kl["nll_base"]) and not kl["kld"].any() and len(kl["kld"]) == LENGTHS[rank]
+    torch.testing.assert_close(kl["nll"].float(), nll, rtol=1e-5, atol=1e-5)
+    assert torch.equal(saved, table)  # what save_reference writes: the whole head, gathered
+    ids = torch.randint(0, 512, (1, LENGTHS[rank] + 1), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        expected = one(ids[:, :-1], torch.arange(LENGTHS[rank]), ids[0, 1:])
+    torch.testing.assert_close(nll, expected, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        expected8 = one8(ids[:, :-1], torch.arange(LENGTHS[rank]), ids[0, 1:])
+    assert not torch.equal(expected8, expected)  # int8 moved the numbers: a quantized model was scored
+    torch.testing.assert_close(nll8, expected8, rtol=1e-6, atol=1e-6)

@@ -110,11 +110,10 @@ def place(
     parts = None if spec.is_builtin else spec.tensor_parts(lm)  # before any split: the model's own names and shapes
     splits = parallelize(lm, tp) if tp is not None else {}
     lockstep = None
-    # A reader's broadcast fills whole tensors; a compiled decoder keeps its embedding's plain lookup.
-    by_rows = where.vocab_rows and not where.compile_decoder and (parts is not None or spec.is_builtin)
-    fsdp_alone = quantizer is None and where.dp_mesh is not None and tp is None
-    if fsdp_alone and by_rows and hold_by_rows(lm, max(weight_bytes(block) for block in decoder_blocks(lm))):
-        lockstep = where.mesh["dp_shard"].get_group()
+    # FSDP alone may hold a float vocabulary by rows; a compiled decoder keeps its embedding's plain lookup.
+    by_rows = where.vocab_rows and not where.compile_decoder and where.dp_mesh is not None and tp is None
+    if quantizer is None and by_rows and (parts is not None or spec.is_builtin):  # a reader's broadcast fills whole
+        lockstep = _hold_by_rows(lm, where)
     scorer = TokenScorer(lm, where.chunk_size, tp, lockstep)
     if quantizer is None and where.dp_mesh is not None:
         fully_shard_blocks(scorer, where.dp_mesh, set())
@@ -130,6 +129,8 @@ def place(
     if report is not None and where.dp_mesh is not None:
         # FSDP2 cannot hold torchao's tensors: their rows are sharded by hand, the rest by fully_shard.
         shard_quantized_rows(lm, report.quantized_params, where.mesh["dp_shard"].get_group())
+        if by_rows and (lockstep := _hold_by_rows(lm, where)) is not None:  # a table the quantizer left in float
+            scorer = TokenScorer(lm, where.chunk_size, tp, lockstep)
         quantized = {p for p in lm.parameters() if hasattr(p, "__tensor_flatten__")}
         fully_shard_blocks(scorer, where.dp_mesh, quantized)
     return _compiled(scorer, where), report
@@ -174,6 +175,14 @@ def _load(
         raise LitPplError(problem)
     load_from_rank0(lm, full, splits, tp)
     return read
+
+
+def _hold_by_rows(lm: nn.Module, where: Placement) -> Any:
+    """Hold ``lm``'s vocabulary tables by blocks of rows no bigger than its largest decoder block
+    (:mod:`lit_ppl.parallel.vocab_rows`); the group whose ranks then call the head in step, or ``None``."""
+    if hold_by_rows(lm, max(weight_bytes(block) for block in decoder_blocks(lm))):
+        return where.mesh["dp_shard"].get_group()
+    return None
 
 
 def _check_loaded(spec: ModelSpec, lm: nn.Module) -> None:

@@ -45,7 +45,7 @@ class VocabRows(nn.Module):
         super().__init__()
         self.shape = tuple(weight.shape)
         self.blocks = nn.ModuleList(
-            RowBlock(part if part.is_meta else part.detach().clone(), start)
+            RowBlock(part, start)  # a view: FSDP copies each block's shard out of the loaded table
             for start, part in zip(range(0, self.shape[0], rows), weight.detach().split(rows), strict=True)
         )
 
@@ -112,6 +112,8 @@ def hold_by_rows(lm: nn.Module, block_bytes: int) -> list[VocabRows]:
     plain = type(embed) is nn.Embedding and embed.max_norm is None  # max_norm renormalises rows as it looks them up
     if not plain or not (head is None or (type(head) is nn.Linear and head.bias is None)):
         return []
+    if any(hasattr(m.weight, "__tensor_flatten__") for m in (embed, head) if m is not None):
+        return []  # quantized (torchao) or already sharded: not a float table to cut
     tied = head is not None and head.weight is embed.weight
     held = []
     for module, wrap, setter in (
