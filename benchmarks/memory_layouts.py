@@ -8,7 +8,9 @@ each phase:
 
 * ``interpreter``: torch, Lightning, transformers and lit-ppl imported, the process group up;
 * ``materialise``: split layouts: the model built on meta, split / sharded, its parameters allocated empty;
-* ``load``: ``place`` returned (the weights read and in place);
+* ``load``: ``place`` returned (the weights read and in place; with ``--quant``, quantized and sharded too);
+* ``quantize``: with ``--quant NAME`` (``quant=NAME``, round to nearest): the weights quantized, before the
+  quantized rows and the rest are sharded;
 * ``check``: ``check_scorer`` (what every run does before its first batch);
 * ``first step``: one step of ``--batch`` windows of ``--seq-len`` seeded random token ids (memory does not depend
   on which ids), every position scored;
@@ -21,6 +23,7 @@ SmolLM2-135M's 9 attention heads (3 KV heads) do not split in 2: its tensor-para
 
     python benchmarks/memory_layouts.py                       # SmolLM2-135M float32: ~4 min on 2 cores
     python benchmarks/memory_layouts.py --model DIR --layouts 1,fsdp2
+    python benchmarks/memory_layouts.py --model DIR --layouts 1,fsdp2 --quant int8
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from common import ROOT, table
 
 SMOLLM2 = Path("~/.cache/lit_ppl/models/smollm2-135m").expanduser()
 LAYOUTS = {"1": (1, 1, 1), "fsdp2": (2, 2, 1), "tp2": (2, 1, 2), "tp3": (3, 1, 3)}  # world, dp_shard, tp
-PHASES = ("interpreter", "materialise", "load", "check", "first step", "evaluate")
+PHASES = ("interpreter", "materialise", "quantize", "load", "check", "first step", "evaluate")
 
 
 def status_mb() -> tuple[float, float]:
@@ -77,6 +80,20 @@ def child(args: argparse.Namespace) -> dict:
         phases["materialise"] = status_mb()
 
     placement.materialize = measured
+    quantizer = None
+    if args.quant:
+        from lit_ppl.config.quant import quant_config
+        from lit_ppl.quant.quantizer import Quantizer
+
+        quantizer = Quantizer(quant_config({"name": args.quant}))
+        quantize = quantizer.quantize
+
+        def quantized(*a: object, **k: object) -> object:  # the phase boundary: quantized, not yet sharded
+            report = quantize(*a, **k)
+            phases["quantize"] = status_mb()
+            return report
+
+        quantizer.quantize = quantized
     keep_freed_memory_in_heap()  # as PerplexityModule.on_validation_start does on CPU
     spec = ModelSpec(path=str(args.model))
     vocab, _ = spec.limits()
@@ -90,7 +107,7 @@ def child(args: argparse.Namespace) -> dict:
     where = placement.Placement(
         layout, device, auto_chunk("auto", vocab, 256), broadcast if world > 1 else (lambda o: o)
     )
-    scorer, _ = placement.place(spec, where, torch.float32)
+    scorer, _ = placement.place(spec, where, torch.float32, quantizer)
     phases["load"] = status_mb()
     check_scorer(scorer, device)
     phases["check"] = status_mb()
@@ -125,7 +142,8 @@ def run_layout(args: argparse.Namespace, name: str) -> list[dict]:
                "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
         cmd = [sys.executable, __file__, "--child", name, "--model", str(args.model), "--steps", str(args.steps),
-               "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--threads", str(args.threads)]  # fmt: skip
+               "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--threads", str(args.threads),
+               *(["--quant", args.quant] if args.quant else [])]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
     for rank, proc in enumerate(procs):
@@ -144,6 +162,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quant", default=None, help="quant=NAME by round to nearest (int8, int4)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
