@@ -112,8 +112,9 @@ def place(
     lockstep = None
     # FSDP alone may hold a float vocabulary by rows; a compiled decoder keeps its embedding's plain lookup.
     by_rows = where.vocab_rows and not where.compile_decoder and where.dp_mesh is not None and tp is None
+    block_bytes = max(weight_bytes(block) for block in decoder_blocks(lm))  # in float, before any quantization
     if quantizer is None and by_rows and (parts is not None or spec.is_builtin):  # a reader's broadcast fills whole
-        lockstep = _hold_by_rows(lm, where)
+        lockstep = _hold_by_rows(lm, where, block_bytes)
     scorer = TokenScorer(lm, where.chunk_size, tp, lockstep)
     if quantizer is None and where.dp_mesh is not None:
         fully_shard_blocks(scorer, where.dp_mesh, set())
@@ -129,7 +130,7 @@ def place(
     if report is not None and where.dp_mesh is not None:
         # FSDP2 cannot hold torchao's tensors: their rows are sharded by hand, the rest by fully_shard.
         shard_quantized_rows(lm, report.quantized_params, where.mesh["dp_shard"].get_group())
-        if by_rows and (lockstep := _hold_by_rows(lm, where)) is not None:  # a table the quantizer left in float
+        if by_rows and (lockstep := _hold_by_rows(lm, where, block_bytes)) is not None:  # a table left in float
             scorer = TokenScorer(lm, where.chunk_size, tp, lockstep)
         quantized = {p for p in lm.parameters() if hasattr(p, "__tensor_flatten__")}
         fully_shard_blocks(scorer, where.dp_mesh, quantized)
@@ -177,10 +178,11 @@ def _load(
     return read
 
 
-def _hold_by_rows(lm: nn.Module, where: Placement) -> Any:
-    """Hold ``lm``'s vocabulary tables by blocks of rows no bigger than its largest decoder block
-    (:mod:`lit_ppl.parallel.vocab_rows`); the group whose ranks then call the head in step, or ``None``."""
-    if hold_by_rows(lm, max(weight_bytes(block) for block in decoder_blocks(lm))):
+def _hold_by_rows(lm: nn.Module, where: Placement, block_bytes: int) -> Any:
+    """Hold ``lm``'s vocabulary tables by blocks of rows of at most ``block_bytes`` (its largest decoder block's, in
+    float: a quantized model's would cut the table into a gather per few rows) (:mod:`lit_ppl.parallel.vocab_rows`);
+    the group whose ranks then call the head in step, or ``None``."""
+    if hold_by_rows(lm, block_bytes):
         return where.mesh["dp_shard"].get_group()
     return None
 
