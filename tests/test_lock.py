@@ -108,6 +108,7 @@ def test_six_processes_racing_for_a_stale_lock_give_exactly_one_holder(tmp_path)
             if len(won) == 1:
                 assert json.loads((tmp_path / RUN_LOCK).read_text())["pid"] == won[0]
             barrier.wait()  # the holder releases
+            barrier.wait()  # released (else the next trial's stale lock could be the one its release removes)
     finally:
         for p in procs:
             p.join(timeout=60)

@@ -25,3 +25,4 @@ def race(directory: str, module: str, barrier: Any, answers: Any, trials: int) -
             answers.put((trial, os.getpid(), False))
             barrier.wait()
             barrier.wait()
+        barrier.wait()  # released: only now may the parent write the next trial's stale lock
