@@ -112,7 +112,8 @@ def place(
     lockstep = None
     # FSDP alone may hold a float vocabulary by rows; a compiled decoder keeps its embedding's plain lookup.
     by_rows = where.vocab_rows and not where.compile_decoder and where.dp_mesh is not None and tp is None
-    block_bytes = max(weight_bytes(block) for block in decoder_blocks(lm))  # in float, before any quantization
+    # In float, before any quantization (a layout that cuts nothing need not find the blocks).
+    block_bytes = max(weight_bytes(block) for block in decoder_blocks(lm)) if by_rows else 0
     if quantizer is None and by_rows and (parts is not None or spec.is_builtin):  # a reader's broadcast fills whole
         lockstep = _hold_by_rows(lm, where, block_bytes)
     scorer = TokenScorer(lm, where.chunk_size, tp, lockstep)

@@ -16,7 +16,6 @@ float weights (torchao's tensors are outside FSDP).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -144,10 +143,6 @@ def row_targets(lm: nn.Module) -> dict[str, list[tuple[int, torch.Tensor]]]:
     }
 
 
-def row_blocks(lm: nn.Module) -> Iterator[RowBlock]:
-    """Every :class:`RowBlock` of ``lm``, once."""
-    seen: set[int] = set()
-    for module in lm.modules():
-        if isinstance(module, RowBlock) and id(module) not in seen:
-            seen.add(id(module))
-            yield module
+def row_blocks(lm: nn.Module) -> list[RowBlock]:
+    """Every :class:`RowBlock` of ``lm``, once (``modules()`` yields a module shared by a tied head once)."""
+    return [m for m in lm.modules() if isinstance(m, RowBlock)]
