@@ -9,6 +9,7 @@ table per layer type and scheme.
     python benchmarks/auto_estimate.py                    # SmolLM2-135M, WikiText-2, budgets 0.005 0.02 0.1
     python benchmarks/auto_estimate.py --model ../shared/data/stories260K --text ../shared/data/tinyshakespeare.txt
     python benchmarks/auto_estimate.py --tables /tmp/auto_estimate_XXXX   # that run's tables, the rows again
+    python benchmarks/auto_estimate.py --estimators fisher --against /tmp/auto_estimate_XXXX/tables.json
 
 Figures: benchmarks/README.md ("The sensitivity estimate").
 """
@@ -74,6 +75,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, action="append", help="mean-KLD budgets (default 0.005 0.02 0.1)")
     parser.add_argument("--estimators", default="fisher,exact", help="sensitivity methods, comma-separated")
     parser.add_argument("--tables", type=Path, help="an earlier run's work dir: its tables reused, the rows run again")
+    parser.add_argument("--against", type=Path, help="an earlier run's tables.json: tables this run did not measure")
     args = parser.parse_args()
     work, evaluated, cal = calibrated_texts(args, "auto_estimate_")
     budgets = args.budget or [0.005, 0.02, 0.1]
@@ -113,6 +115,10 @@ def main() -> None:
         tables[how] = measured["sensitivity"]
         seconds[how] = measured["measurement"]["seconds_layers"], measured["measurement"]["passes"]
     (work / "tables.json").write_text(json.dumps({"tables": tables, "seconds": seconds}))
+    if args.against is not None:  # e.g. the exact table (50 minutes), measured once on the same texts
+        earlier = json.loads(args.against.read_text())
+        for how in set(earlier["tables"]) - set(tables):
+            tables[how], seconds[how] = earlier["tables"][how], tuple(earlier["seconds"][how])
     print(
         f"\n{args.model.name}, {args.text.name}: first {args.eval_bytes:,} bytes evaluated (seq_len {args.seq_len}), "
         f"the next {args.calib_bytes:,} bytes calibrate and measure ({args.calib_tokens} tokens), int4 "

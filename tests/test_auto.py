@@ -234,9 +234,10 @@ def test_gptq_candidates_are_the_weights_the_policy_applies(compose, tmp_path):
 def test_the_fisher_estimate_ranks_layers_as_the_exact_measurement_does(tmp_path):
     """Each int8 candidate of stories260K alone (35 linear layers, the tied embedding table): the gradient
     estimate (4 windows) against the exact measurement (36 passes) on the same calibration text, the same sums over
-    ranks: the same order of sensitivity (rank correlation), each estimate within a factor of 4 of its measurement
-    (attention's value projections are the furthest: their errors, alike at every position, add up across positions
-    the diagonal does not see)."""
+    ranks: the same order of sensitivity (rank correlation 0.99 measured), each estimate within a factor of 2 of its
+    measurement (0.55–1.17 measured). Attention's projections are seen at its output: at their own, the value
+    projections' errors, alike at every position and added up by attention, came out at 0.29–0.83 of their
+    measurement, the rank correlation 0.91."""
     import statistics
 
     from test_calibrate import calibration, lm
@@ -256,8 +257,8 @@ def test_the_fisher_estimate_ranks_layers_as_the_exact_measurement_does(tmp_path
     assert (passes, windows) == (36, 4) and estimate.keys() == exact.keys()
     pairs = [(estimate[n]["int8"]["kld"], exact[n]["int8"]["kld"]) for n in exact]
     ranks = [sorted(v).index for v in zip(*pairs, strict=True)]
-    assert statistics.correlation([ranks[0](e) for e, _ in pairs], [ranks[1](x) for _, x in pairs]) > 0.8
-    far = {n: e / x for n, (e, x) in zip(exact, pairs, strict=True) if not 1 / 4 < e / x < 4}
+    assert statistics.correlation([ranks[0](e) for e, _ in pairs], [ranks[1](x) for _, x in pairs]) > 0.95
+    far = {n: e / x for n, (e, x) in zip(exact, pairs, strict=True) if not 1 / 2 < e / x < 2}
     assert not far, far
 
 

@@ -8,7 +8,11 @@ gradient of ``log p(t)`` at a token ``t`` *sampled from the model* (one per posi
 unbiased, the text's own tokens would not), kept diagonal per position and output channel as NVIDIA
 Model-Optimizer's AutoQuantize does: ``KLD ≈ ½ Σ g² Δy²``, with ``Δy = x ΔWᵀ`` the candidate's change of the layer's
 output on the float model's inputs ``x`` (an embedding: the rows it looks up; a group of experts: the experts module
-run again on its inputs and routing with the candidate's weights, less its float output). The change of the text's
+run again on its inputs and routing with the candidate's weights, less its float output). A layer inside an attention
+module is seen at the attention's output, the attention run again with the candidate's weight: a value projection's
+error is alike at every position and attention adds it up over the positions it mixes, which a diagonal at the
+projection's own output, position by position, does not see (it put value projections at a third of their measured
+KLD). The change of the text's
 NLL adds the first-order term of the text's own tokens: ``ΔNLL ≈ −Σ g_text · Δy + KLD``. Written here because none
 of the dependencies estimates a quantization's effect (Model-Optimizer is not one).
 
@@ -63,10 +67,14 @@ class _Probe:
         for u, name in enumerate(self.layers):
             for module_name in candidates.modules(name):
                 module, attr = weight_slot(self.lm, module_name)
-                if isinstance(module, nn.Linear | nn.Embedding):
+                attention = attention_of(self.lm, module_name) if isinstance(module, nn.Linear) else None
+                if attention is not None:  # mixed over positions: seen where attention has mixed it, run again
+                    hook = self._rerun(u, name, module, attr)
+                    handles.append(attention.register_forward_hook(hook, with_kwargs=True))
+                elif isinstance(module, nn.Linear | nn.Embedding):
                     handles.append(module.register_forward_hook(self._watch(u, name, module)))
                 else:  # a group of experts: its output with the candidate's weights needs the routing, run again
-                    handles.append(module.register_forward_hook(self._rerun(u, name, attr), with_kwargs=True))
+                    handles.append(module.register_forward_hook(self._rerun(u, name, module, attr), with_kwargs=True))
         try:
             for p in params:
                 p.requires_grad_(False)
@@ -89,11 +97,16 @@ class _Probe:
 
         return forward_hook
 
-    def _rerun(self, u: int, name: str, attr: str) -> Callable[..., None]:
-        def forward_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> None:
-            if out.requires_grad:
-                inputs, base = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs)), out.detach()
-                out.register_hook(lambda g: self._add(u, name, g, lambda d: _with(module, attr, d, inputs) - base))
+    def _rerun(self, u: int, name: str, owner: nn.Module, attr: str) -> Callable[..., None]:
+        """A hook on the module whose output the candidate's change is measured at (the candidate's own group of
+        experts, or the attention holding it): that module run again with ``owner``'s ``attr`` changed."""
+
+        def forward_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+            first = _first(out)
+            if first.requires_grad:
+                inputs, base = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs)), first.detach()
+                changed = lambda d: _first(_with(module, owner, attr, d, inputs)) - base  # noqa: E731
+                first.register_hook(lambda g: self._add(u, name, g, changed))
 
         return forward_hook
 
@@ -122,14 +135,31 @@ class _Probe:
                 self.sums[u, j, self.mode] += term.sum(dtype=torch.float64).cpu()
 
 
-def _with(module: nn.Module, attr: str, delta: torch.Tensor, inputs: tuple[tuple, dict]) -> torch.Tensor:
-    """``module``'s output on ``inputs`` (args, kwargs) with ``delta`` added to its weight ``attr``, restored after."""
-    float_weight = getattr(module, attr)
-    setattr(module, attr, nn.Parameter(float_weight + delta, requires_grad=False))
+def _with(module: nn.Module, owner: nn.Module, attr: str, delta: torch.Tensor, inputs: tuple[tuple, dict]) -> Any:
+    """``module``'s output on ``inputs`` (args, kwargs) with ``delta`` added to ``owner``'s weight ``attr`` (``owner``:
+    ``module`` or one of its submodules), restored after."""
+    float_weight = getattr(owner, attr)
+    setattr(owner, attr, nn.Parameter(float_weight + delta, requires_grad=False))
     try:
         return module(*inputs[0], **inputs[1])
     finally:
-        setattr(module, attr, float_weight)
+        setattr(owner, attr, float_weight)
+
+
+def _first(out: Any) -> torch.Tensor:
+    """A module's output tensor (an attention module returns ``(output, weights)``)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def attention_of(lm: nn.Module, name: str) -> nn.Module | None:
+    """The attention module holding the linear layer ``name`` (the nearest enclosing module whose class names
+    itself ``…Attention``), or ``None``."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        module = lm.get_submodule(".".join(parts[:end]))
+        if type(module).__name__.endswith("Attention"):
+            return module
+    return None
 
 
 def _delta(candidates: Candidates, name: str, kind: str, float_weight: torch.Tensor) -> torch.Tensor:
