@@ -9,8 +9,8 @@ each phase:
 * ``interpreter``: torch, Lightning, transformers and lit-ppl imported, the process group up;
 * ``materialise``: split layouts: the model built on meta, split / sharded, its parameters allocated empty;
 * ``load``: ``place`` returned (the weights read and in place; with ``--quant``, quantized and sharded too);
-* ``quantize``: with ``--quant NAME`` (``quant=NAME``, round to nearest): the weights quantized, before the
-  quantized rows and the rest are sharded;
+* ``quantize``: with ``--quant NAME`` (``quant=NAME``, round to nearest): the weights read and quantized (each
+  decoder weight as it is read, its rows kept at once under ``fsdp``), before the rest is sharded;
 * ``check``: ``check_scorer`` (what every run does before its first batch);
 * ``first step``: one step of ``--batch`` windows of ``--seq-len`` seeded random token ids (memory does not depend
   on which ids), every position scored;

@@ -4,8 +4,9 @@ A random-init Llama built from a config whose weights dwarf the interpreter (hid
 8k, untied: 1.5 GiB in float32) is saved as bfloat16 safetensors and evaluated in float32; every process runs in
 its own cgroup v1 memory group capped at :data:`CAP_MB`. Under ``fsdp`` × 2 each rank reads, holds and gathers
 only its share: the run succeeds. One process needs the whole model beside the interpreter: the kernel's OOM
-killer stops it, which the group's ``oom_kill`` count records. Needs root and a writable cgroup v1 memory
-hierarchy (skipped otherwise).
+killer stops it, which the group's ``oom_kill`` count records. In ``int8`` both fit: each decoder weight is
+quantized as it is read, so neither holds the float model. Needs root and a writable cgroup v1 memory hierarchy
+(skipped otherwise).
 """
 
 from __future__ import annotations
@@ -123,25 +124,34 @@ def _oom_kills(group: Path) -> int:
     return int(fields.get("oom_kill", 0))
 
 
-@pytest.mark.slow
-def test_fsdp_fits_where_one_process_does_not(large_checkpoint, capped_groups, tmp_path):
+def _text_env_weights(large: Path, tmp_path: Path) -> tuple[Path, dict[str, str], float]:
+    """The evaluated text, the runs' environment, and the model's float32 weights in MiB."""
     text = tmp_path / "text.txt"
     text.write_text(TINYSTORIES.read_text(encoding="utf-8")[:1500], encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    weights_mb = 2 * sum(f.stat().st_size for f in large_checkpoint.glob("*.safetensors")) / 2**20  # in float32
-    assert weights_mb + 300 > CAP_MB > weights_mb / 2 + 700, weights_mb  # the cap sits between the two needs
+    return text, env, 2 * sum(f.stat().st_size for f in large.glob("*.safetensors")) / 2**20  # bf16 on disk
 
-    ranks = capped_groups(2)
-    env |= {f"LIT_PPL_MEMCG_{i}": str(g) for i, g in enumerate(ranks)}  # each rank's group, by its LOCAL_RANK
+
+def _fsdp_two_ranks(large: Path, text: Path, out: Path, env: dict[str, str], ranks: list[Path], *extra: str) -> dict:
+    """``strategy=fsdp`` × 2 (torchrun), each rank in its own capped group (by its LOCAL_RANK): its results."""
+    env = env | {f"LIT_PPL_MEMCG_{i}": str(g) for i, g in enumerate(ranks)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
     cmd += ["--master_port", str(free_port()), "--no-python"]
     cmd += [*_in_group("$(printenv LIT_PPL_MEMCG_$LOCAL_RANK)"), sys.executable]
-    cmd += _args(large_checkpoint, text, tmp_path / "fsdp", "strategy=fsdp", "trainer.devices=2")
-    proc = run(cmd, 180, cwd=tmp_path, env=env)
+    cmd += _args(large, text, out, "strategy=fsdp", "trainer.devices=2", *extra)
+    proc = run(cmd, 180, cwd=out.parent, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads((tmp_path / "fsdp" / "results.json").read_text())
+    r = json.loads((out / "results.json").read_text())
     assert r["world_size"] == 2 and math.isfinite(r["ppl"]) and r["tokens"] > 0
     assert max(r["rank_peak_rss_mb"]) < CAP_MB and all(_oom_kills(g) == 0 for g in ranks), r["rank_peak_rss_mb"]
+    return r
+
+
+@pytest.mark.slow
+def test_fsdp_fits_where_one_process_does_not(large_checkpoint, capped_groups, tmp_path):
+    text, env, weights_mb = _text_env_weights(large_checkpoint, tmp_path)
+    assert weights_mb + 300 > CAP_MB > weights_mb / 2 + 700, weights_mb  # the cap sits between the two needs
+    r = _fsdp_two_ranks(large_checkpoint, text, tmp_path / "fsdp", env, capped_groups(2))
     assert max(r["rank_weight_bytes"]) / 2**20 < 0.55 * weights_mb
 
     (alone,) = capped_groups(1)
@@ -149,3 +159,22 @@ def test_fsdp_fits_where_one_process_does_not(large_checkpoint, capped_groups, t
     proc = run(cmd, 180, cwd=tmp_path, env=env)
     assert proc.returncode == -9 and _oom_kills(alone) >= 1, (proc.returncode, proc.stderr[-2000:])
     assert not (tmp_path / "one" / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_int8_quantizes_each_weight_as_it_is_read(large_checkpoint, capped_groups, tmp_path):
+    """``quant=int8`` under the same cap, where the float model alone beside the interpreter is above it: each
+    decoder weight is quantized as it is read (under ``fsdp`` × 2 each rank then keeps its rows), so neither the two
+    ranks nor one process ever hold the float model. (Quantizing after loading, both were killed by the cap.)"""
+    text, env, weights_mb = _text_env_weights(large_checkpoint, tmp_path)
+    assert weights_mb + 400 > CAP_MB  # the float model and the interpreter alone would not fit
+    r = _fsdp_two_ranks(large_checkpoint, text, tmp_path / "int8", env, capped_groups(2), "quant=int8")
+    assert r["quant"]["consistency"]["checked"]
+
+    (alone,) = capped_groups(1)
+    cmd = [*_in_group(str(alone)), sys.executable, *_args(large_checkpoint, text, tmp_path / "one", "quant=int8")]
+    proc = run(cmd, 180, cwd=tmp_path, env=env)
+    assert proc.returncode == 0 and _oom_kills(alone) == 0, (proc.returncode, proc.stderr[-2000:])
+    one = json.loads((tmp_path / "one" / "results.json").read_text())
+    assert one["rank_peak_rss_mb"][0] < CAP_MB and one["quant"]["digest"] == r["quant"]["digest"]
+    assert one["ppl"] == pytest.approx(r["ppl"], rel=1e-6)

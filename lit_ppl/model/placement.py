@@ -4,13 +4,14 @@
 :func:`place_head`) a saved reference's head:
 
 * one process (or data parallelism alone): the checkpoint read straight to the device as ``from_pretrained``
-  reads it, then quantized;
+  reads it, then quantized — by round to nearest, each decoder weight as it is read;
 * a split layout: built on the meta device (no rank but the reader ever holds the whole model), split for tensor
   parallelism (:mod:`lit_ppl.parallel.tensor_parallel`), FSDP-sharded when nothing will be quantized, materialised
   empty, loaded (each rank reads its own part of a safetensors checkpoint or a GGUF file; otherwise one reader reads
   and every rank keeps its part: :mod:`lit_ppl.parallel.sharding`), quantized — or a
   stored checkpoint's codes restored — and then, quantized, its rows sharded by hand and the rest by FSDP (FSDP2
-  cannot hold torchao's tensors).
+  cannot hold torchao's tensors). Under FSDP alone, with each rank reading its own part, round to nearest
+  quantizes each decoder weight as it is read and keeps its rows at once: no rank holds the float model.
 
 It needs no Trainer: the one exchange of a Python object between ranks (what the reader found) is the
 ``broadcast`` of the :class:`Placement` it is handed.
@@ -18,6 +19,7 @@ It needs no Trainer: the one exchange of a Python object between ranks (what the
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,8 +37,10 @@ from lit_ppl.parallel.sharding import (
     device_mesh,
     fsdp_mesh,
     fully_shard_blocks,
+    fully_shard_rows,
     load_from_rank0,
     load_own_parts,
+    local,
     materialize,
     shard_quantized_rows,
     tp_group,
@@ -45,7 +49,7 @@ from lit_ppl.parallel.sharding import (
 )
 from lit_ppl.parallel.tensor_parallel import Group, parallelize
 from lit_ppl.parallel.vocab_rows import hold_by_rows
-from lit_ppl.runtime.memory import map_large_blocks
+from lit_ppl.runtime.memory import is_quantized, large_blocks_mapped, map_large_blocks
 
 __all__ = ["Placement", "Quantizes", "place", "place_head", "weight_bytes"]
 
@@ -53,12 +57,23 @@ __all__ = ["Placement", "Quantizes", "place", "place_head", "weight_bytes"]
 class Quantizes(Protocol):
     """What placement asks of a quantizer (:class:`lit_ppl.quant.quantizer.Quantizer`)."""
 
+    streams: bool  # it can quantize each weight as it is read
+
     def read(self, full: dict[str, torch.Tensor]) -> Any:
         """The reader's part, on the whole checkpoint as read; handed to every rank's :meth:`quantize`."""
 
-    def quantize(self, lm: nn.Module, tp: Group | None, splits: dict[str, Any], read: Any) -> Any:
+    def quantize(
+        self,
+        lm: nn.Module,
+        tp: Group | None,
+        splits: dict[str, Any],
+        read: Any,
+        stream: Any = None,
+        release: Any = None,
+    ) -> Any:
         """Quantize ``lm`` (this rank's tensor-parallel slices under ``tp``) in place; a report with
-        ``quantized_params``."""
+        ``quantized_params``. ``stream(arrived)`` loads the weights, calling ``arrived(name)`` as each is in place, to
+        be quantized then and its layer's name handed to ``release``."""
 
 
 @dataclass
@@ -99,9 +114,7 @@ def place(
     quantization report or None)``. The built-in model is built whole on every rank (it is small and seeded alike)
     and split the same way."""
     if not where.split:
-        lm = spec.build(dtype, where.device)
-        report = quantizer.quantize(lm, None, {}, None) if quantizer is not None else None
-        return _compiled(TokenScorer(lm, where.chunk_size), where), report
+        return _place_whole(spec, where, dtype, quantizer)
     if where.dp_mesh is not None and where.device.type == "cpu":
         map_large_blocks()  # FSDP's gathered units would fragment the heap to a whole model's worth
     tp = tp_group(where.mesh, where.layout)
@@ -114,28 +127,55 @@ def place(
     by_rows = where.vocab_rows and not where.compile_decoder and where.dp_mesh is not None and tp is None
     # In float, before any quantization (a layout that cuts nothing need not find the blocks).
     block_bytes = max(weight_bytes(block) for block in decoder_blocks(lm)) if by_rows else 0
-    if quantizer is None and by_rows and (parts is not None or spec.is_builtin):  # a reader's broadcast fills whole
+    # FSDP alone, each rank reading its own part: round to nearest quantizes each decoder weight as it is read and
+    # keeps its rows, so no rank holds the float model.
+    as_read = quantizer is not None and quantizer.streams and where.dp_mesh is not None and tp is None
+    later = _arriving(lm) if as_read and parts is not None else []
+    float_table = quantizer is None or (bool(later) and not quantizer.layers(lm) & _tables(lm))
+    if by_rows and float_table and (parts is not None or spec.is_builtin):  # a reader's broadcast fills whole
         lockstep = _hold_by_rows(lm, where, block_bytes)
     scorer = TokenScorer(lm, where.chunk_size, tp, lockstep)
     if quantizer is None and where.dp_mesh is not None:
         fully_shard_blocks(scorer, where.dp_mesh, set())
-    read: Any = None
+    elif lockstep is not None:  # a float vocabulary beside weights quantized as read: its rows sharded before
+        fully_shard_rows(lm, where.dp_mesh)
+    read, report = None, None
     if not spec.is_builtin:
-        materialize(scorer, where.device)
-        if parts is not None:  # every rank reads its own part: no reader, nothing for a quantizer to read
+        materialize(scorer, where.device, [f"lm.{n}" for n in later])  # the scorer's names
+        if later:
+            report = _quantize_as_read(spec, lm, parts, quantizer, where)
+        elif parts is not None:  # every rank reads its own part: no reader, nothing for a quantizer to read
             load_own_parts(lm, parts, splits, tp)
         else:
             read = _load(spec, lm, dtype, expected, splits, tp, quantizer, where.broadcast)
-        _check_loaded(spec, lm)
-    report = quantizer.quantize(lm, tp, splits, read) if quantizer is not None else None
+        if not later:
+            _check_loaded(spec, lm)
+    if quantizer is not None and report is None:
+        report = quantizer.quantize(lm, tp, splits, read)
     if report is not None and where.dp_mesh is not None:
         # FSDP2 cannot hold torchao's tensors: their rows are sharded by hand, the rest by fully_shard.
         shard_quantized_rows(lm, report.quantized_params, where.mesh["dp_shard"].get_group())
-        if by_rows and (lockstep := _hold_by_rows(lm, where, block_bytes)) is not None:  # a table left in float
-            scorer = TokenScorer(lm, where.chunk_size, tp, lockstep)
-        quantized = {p for p in lm.parameters() if hasattr(p, "__tensor_flatten__")}
-        fully_shard_blocks(scorer, where.dp_mesh, quantized)
+        if by_rows and lockstep is None and (lockstep := _hold_by_rows(lm, where, block_bytes)) is not None:
+            scorer = TokenScorer(lm, where.chunk_size, tp, lockstep)  # a table left in float, by rows
+        fully_shard_blocks(scorer, where.dp_mesh, {p for p in lm.parameters() if is_quantized(p)})
     return _compiled(scorer, where), report
+
+
+def _place_whole(
+    spec: ModelSpec, where: Placement, dtype: torch.dtype, quantizer: Quantizes | None
+) -> tuple[TokenScorer, Any]:
+    """:func:`place` in one process (or under data parallelism alone): read as ``from_pretrained`` reads it, then
+    quantized; with round to nearest, each decoder weight quantized as it is read (the float model never whole)."""
+    lm = spec.build_empty(dtype) if quantizer is not None and quantizer.streams and not spec.is_builtin else None
+    parts = spec.tensor_parts(lm) if lm is not None else None
+    later = _arriving(lm) if parts is not None else []
+    if later:
+        materialize(lm, where.device, later)
+        report = _quantize_as_read(spec, lm, parts, quantizer, where)
+        return _compiled(TokenScorer(lm, where.chunk_size), where), report
+    lm = spec.build(dtype, where.device)
+    report = quantizer.quantize(lm, None, {}, None) if quantizer is not None else None
+    return _compiled(TokenScorer(lm, where.chunk_size), where), report
 
 
 def place_head(head: nn.Module, where: Placement) -> nn.Module:
@@ -179,6 +219,46 @@ def _load(
     return read
 
 
+def _arriving(lm: nn.Module) -> list[str]:
+    """The decoder blocks' linear weights, left unallocated until each is read and quantized; none where quantization
+    would first rebuild modules (``Conv1D``, ``FalconLinear``: their weights load in their own layout)."""
+    if any(type(m).__name__ in ("Conv1D", "FalconLinear") for m in lm.modules()):
+        return []
+    blocks = set(map(id, decoder_blocks(lm)))
+    prefixes = tuple(f"{n}." for n, m in lm.named_modules() if id(m) in blocks)
+    return [f"{n}.weight" for n, m in lm.named_modules() if type(m) is nn.Linear and n.startswith(prefixes)]
+
+
+def _tables(lm: nn.Module) -> set[str]:
+    """The module names of ``lm``'s input embeddings and output head."""
+    tables = (lm.get_input_embeddings(), lm.get_output_embeddings())
+    return {n for n, m in lm.named_modules() if any(m is t for t in tables if t is not None)}
+
+
+def _quantize_as_read(spec: ModelSpec, lm: nn.Module, parts: Any, quantizer: Quantizes, where: Placement) -> Any:
+    """Every rank reads the checkpoint tensor by tensor; each decoder linear weight is quantized as it arrives,
+    hashed whole, and under FSDP cut to this rank's rows: a rank holds (its rows of) the quantized weights, the float
+    tensors outside the blocks, and one float weight in flight. The quantization report."""
+    group = where.mesh["dp_shard"].get_group() if where.dp_mesh is not None else None
+    nan: list[str] = []
+
+    def stream(quantize: Callable[[str], None]) -> None:
+        def arrived(name: str) -> None:
+            owner, _, attr = name.rpartition(".")
+            weight = lm.get_submodule(owner)._parameters.get(attr)  # None: a table held by rows (checked after)
+            if weight is not None and not is_quantized(weight) and bool(torch.isnan(local(weight)).any()):
+                nan.append(name)
+            quantize(name)
+
+        with large_blocks_mapped() if where.device.type == "cpu" else contextlib.nullcontext():
+            load_own_parts(lm, parts, {}, None, arrived, where.device)
+
+    release = None if group is None else lambda name: shard_quantized_rows(lm, [f"{name}.weight"], group)
+    report = quantizer.quantize(lm, None, {}, None, stream, release)
+    _check_loaded(spec, lm, nan)
+    return report
+
+
 def _hold_by_rows(lm: nn.Module, where: Placement, block_bytes: int) -> Any:
     """Hold ``lm``'s vocabulary tables by blocks of rows of at most ``block_bytes`` (its largest decoder block's, in
     float: a quantized model's would cut the table into a gather per few rows) (:mod:`lit_ppl.parallel.vocab_rows`);
@@ -188,9 +268,10 @@ def _hold_by_rows(lm: nn.Module, where: Placement, block_bytes: int) -> Any:
     return None
 
 
-def _check_loaded(spec: ModelSpec, lm: nn.Module) -> None:
-    """:func:`lit_ppl.parallel.sharding.unloaded` proves no parameter was left NaN, on any rank."""
-    missing = unloaded(lm)
+def _check_loaded(spec: ModelSpec, lm: nn.Module, found: list[str] | None = None) -> None:
+    """:func:`lit_ppl.parallel.sharding.unloaded` proves no parameter was left NaN, on any rank (``found``: weights
+    seen NaN as they arrived, before they were quantized)."""
+    missing = unloaded(lm, found or [])
     if missing:
         raise LitPplError(
             f"model.path={spec.path!r}: {len(missing)} parameters hold NaN after sharded loading "

@@ -14,7 +14,7 @@ transformers does more than rename keys (fused experts, a quantized checkpoint) 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from lit_ppl.errors import LitPplError
 from lit_ppl.parallel.layout import Layout
 from lit_ppl.parallel.tensor_parallel import Group, all_gather_uneven, split_sizes
 from lit_ppl.parallel.vocab_rows import Held, row_blocks, row_targets
-from lit_ppl.runtime.memory import tensor_bytes
+from lit_ppl.runtime.memory import is_quantized, tensor_bytes
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 BROADCAST_BYTES = 8 * 2**20  # a loaded tensor crosses in blocks of rows of this size: the receivers' transient
@@ -66,10 +66,11 @@ def fully_shard_blocks(scorer: nn.Module, mesh: DeviceMesh, ignored: set[nn.Para
 
     ``ignored``: parameters FSDP2 cannot shard (torchao's quantized tensors lack ``aten.split``); they stay whole.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     for block in [*decoder_blocks(scorer.lm), *row_blocks(scorer.lm)]:
-        fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=ignored)
+        if not isinstance(block, FSDPModule):  # a vocabulary's rows may be sharded before the rest is read
+            fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=ignored)
     embed, head = scorer.lm.get_input_embeddings(), scorer.lm.get_output_embeddings()
     held = isinstance(embed, Held) or isinstance(head, Held)  # a vocabulary by rows: its blocks are units
     if not held and head is not None and head.weight is not embed.weight:
@@ -81,15 +82,27 @@ def fully_shard_blocks(scorer: nn.Module, mesh: DeviceMesh, ignored: set[nn.Para
     fully_shard(scorer, mesh=mesh, reshard_after_forward=True, ignored_params=ignored)
 
 
+def fully_shard_rows(lm: nn.Module, mesh: DeviceMesh) -> None:
+    """``fully_shard`` each block of a vocabulary held by rows (:mod:`lit_ppl.parallel.vocab_rows`) alone, before
+    the rest of the model is read: each rank then allocates and reads only its shard of the table."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in row_blocks(lm):
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a (possibly FSDP-sharded) tensor, sharing its memory."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def materialize(module: nn.Module, device: torch.device) -> None:
+def materialize(module: nn.Module, device: torch.device, later: Iterable[str] = ()) -> None:
     """Meta parameters → empty ones on ``device``, filled with NaN (so one that no tensor reaches cannot give a
-    number); the buffers, computed for real at build time, keep their values."""
+    number); the buffers, computed for real at build time, keep their values. ``later``: parameters left on meta,
+    allocated by :func:`load_own_parts` as their tensor arrives."""
     buffers = {n: b.clone() for n, b in module.named_buffers()}
+    left = [(module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in later]
+    kept = [(owner, attr, owner._parameters.pop(attr)) for owner, attr in left]
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for owner in module.modules():
         for name, param in owner.named_parameters(recurse=False):
@@ -102,11 +115,14 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     for (first, first_name), *others in tied:
         for owner, name in others:
             setattr(owner, name, getattr(first, first_name))
+    for owner, attr, param in kept:
+        owner._parameters[attr] = param
     with torch.no_grad():
         for name, buffer in module.named_buffers():
             buffer.copy_(buffers[name])
         for param in module.parameters():
-            local(param).fill_(float("nan"))
+            if not param.is_meta:
+                local(param).fill_(float("nan"))
 
 
 def kept_region(
@@ -176,12 +192,16 @@ def load_own_parts(
     parts: Iterable[tuple[str, Any]],
     splits: dict[str, int | tuple[int, int, int]],
     tp: Group | None,
+    arrived: Callable[[str], None] | None = None,
+    device: torch.device | None = None,
 ) -> None:
     """Fill ``lm``'s (split, possibly FSDP-sharded) tensors from ``parts`` — ``(state-dict name, the whole tensor or a
     lazy handle to it, indexed like a tensor)`` one at a time (:class:`lit_ppl.model.checkpoint.SafetensorsParts`,
     :class:`lit_ppl.model.gguf_weights.GgufParts`) — each rank keeping the part it holds (``splits`` as in
     :func:`load_from_rank0`), a block of rows at a time. No collective: a rank's host holds its share plus at most the
-    one tensor in flight.
+    one tensor in flight. A parameter still on meta (:func:`materialize`'s ``later``) is allocated whole on
+    ``device`` when its tensor arrives; ``arrived(name)`` is called once each tensor is in place (a quantizer takes
+    it there, as it is read).
     """
     targets = lm.state_dict(keep_vars=True)
     by_rows = row_targets(lm)  # a vocabulary held by blocks of rows: each block is a target of its own
@@ -192,6 +212,8 @@ def load_own_parts(
             if id(first) in done:  # tied weights: one tensor under several names
                 continue
             done.add(id(first))
+            if first.is_meta:
+                first = _allocate(lm, name, first, device)
             shape = tuple(whole.shape)
             if not shape:  # a scalar
                 local(first).copy_(whole[()])
@@ -201,6 +223,18 @@ def load_own_parts(
                 start, size = kept_region(block, target, splits.get(name), tp)
                 start[0] += offset
                 _copy_rows(local(target), whole, start, size)
+            if arrived is not None:
+                arrived(name)
+
+
+def _allocate(lm: nn.Module, name: str, meta: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """The parameter ``name`` (on meta) allocated on ``device``, in place in its module."""
+    if device is None:
+        raise RuntimeError(f"{name} is still on the meta device and no device was given to load it to (a bug)")
+    owner, _, attr = name.rpartition(".")
+    param = nn.Parameter(torch.empty_like(meta, device=device), requires_grad=False)
+    lm.get_submodule(owner)._parameters[attr] = param
+    return param
 
 
 def _copy_rows(dest: torch.Tensor, whole: Any, start: list[int], size: list[int]) -> None:
@@ -212,9 +246,13 @@ def _copy_rows(dest: torch.Tensor, whole: Any, start: list[int], size: list[int]
         dest[r : r + n].copy_(whole[(slice(start[0] + r, start[0] + r + n), *rest)])
 
 
-def unloaded(module: nn.Module) -> list[str]:
-    """Names of parameters still NaN on any rank (each rank checks its own shards; one gather)."""
-    names = [n for n, p in module.named_parameters() if bool(torch.isnan(local(p)).any())]
+def unloaded(module: nn.Module, found: Iterable[str] = ()) -> list[str]:
+    """Names of parameters still NaN or never allocated on any rank (each rank checks its own shards; one gather),
+    with ``found``: those a quantizer saw NaN in as they arrived (its own tensors are not checked again)."""
+    names = [*found]
+    for n, p in module.named_parameters():
+        if p.is_meta or (not is_quantized(p) and bool(torch.isnan(local(p)).any())):
+            names.append(n)
     if dist.is_available() and dist.is_initialized():
         gathered: list[list[str] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, names)
@@ -266,6 +304,7 @@ class RowShard:
         self.cls = type(weight)
         self.local = {n: t for n, t in self.split.items() if t is not None}
         module._parameters["weight"] = nn.Parameter(self._build(self.local, local=True), requires_grad=False)
+        module._lit_ppl_rows = self  # sharded: shard_quantized_rows passes it by
         module.register_forward_pre_hook(self.gather)
         module.register_forward_hook(self.release)
 
@@ -293,5 +332,6 @@ def shard_quantized_rows(lm: nn.Module, names: list[str], group: dist.ProcessGro
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     for name in names:
         owner = modules[name.removesuffix(".weight")]
-        if isinstance(owner, nn.Linear) and name.endswith(".weight") and owner is not head:
+        linear = isinstance(owner, nn.Linear) and name.endswith(".weight") and owner is not head
+        if linear and not hasattr(owner, "_lit_ppl_rows"):  # not sharded already, as it arrived
             RowShard(owner, group)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -31,20 +33,32 @@ from lit_ppl.quant.auto.budget import packed_bytes
 from lit_ppl.quant.calibrated.awq import PRE_SCALE
 from lit_ppl.quant.calibrated.split import TpView
 from lit_ppl.quant.calibrated.stream import Where
-from lit_ppl.quant.consistency import broadcast_from_rank0, check_ranks_agree, whole_digest
+from lit_ppl.quant.consistency import broadcast_from_rank0, check_ranks_agree, digest, value_digest, whole_digest
 from lit_ppl.quant.methods import METHODS, Choice, Method
 from lit_ppl.quant.report import QuantReport, summary_lines
 from lit_ppl.quant.targets import to_plain_linear
-from lit_ppl.runtime.memory import tensor_bytes
+from lit_ppl.runtime.memory import is_quantized, tensor_bytes
 
 log = logging.getLogger(__name__)
 
+Stream = Callable[[Callable[[str], None]], None]  # loads the weights, calling its argument with each name in place
 
-def quantize_model(lm: nn.Module, cfg: QuantConfig, calibration: Any = None, tp: TpView | None = None) -> QuantReport:
+
+def quantize_model(
+    lm: nn.Module,
+    cfg: QuantConfig,
+    calibration: Any = None,
+    tp: TpView | None = None,
+    stream: Stream | None = None,
+    release: Callable[[str], None] | None = None,
+) -> QuantReport:
     """Apply the typed ``quant`` config ``cfg`` to ``lm`` in place and return the report.
 
     ``calibration`` (a :class:`lit_ppl.quant.calibrated.text.Calibration`) is the text of calibrated methods.
     ``tp``: this rank's tensor-parallel group and splits, when ``lm`` holds this rank's slices of every split layer.
+    ``stream``: the weights are not loaded yet (round to nearest only): ``stream(arrived)`` loads them one at a time,
+    calling ``arrived(parameter name)`` as each is in place; each is quantized then, hashed whole, and its layer's
+    name handed to ``release`` (which may keep only this rank's rows of it): no rank holds two of them in float.
     """
     report = QuantReport(name=cfg.name, source=cfg.source)
     report.weight_bytes_before = sum(tensor_bytes(p) for _, p in lm.named_parameters())
@@ -68,16 +82,22 @@ def quantize_model(lm: nn.Module, cfg: QuantConfig, calibration: Any = None, tp:
         lm.set_experts_implementation("eager")
         report.backend["experts"] = "transformers' eager experts loop (F.linear per expert)"
     _calibrate(lm, todo, calibration, report, (rank, size, broadcast), cfg, tp)
-    _round_to_nearest(lm, todo, experts, report, skip=broadcast and rank != 0)
+    known = _Known()
+    if stream is None:
+        _round_to_nearest(lm, todo, experts, report, skip=broadcast and rank != 0)
+    else:
+        layer_of = {**{s: f for s, f in twins.items() if f in todo}, **{n: n for n in todo}}
+        _as_read(lm, todo, experts, report, (stream, release, known), layer_of)
     if broadcast:
         broadcast_from_rank0(lm, [n if n in experts else f"{n}.weight" for n in sorted(todo)])
     modules = dict(lm.named_modules())
     for second, first in twins.items():  # re-tie: the twin shares its first's quantized weight
         modules[second].weight = modules[first].weight
     for name, entry in report.modules.items():
-        entry["bytes_before"], entry["bytes_after"] = before[name], tensor_bytes(targets[name].weight(lm))
+        after = known.bytes.get(twins.get(name, name)) or tensor_bytes(targets[name].weight(lm))
+        entry["bytes_before"], entry["bytes_after"] = before[name], after
         entry["bytes_packed"] = packed.get(name, before[name])
-    _finish_report(lm, report, tp)
+    _finish_report(lm, report, tp, known)
     return report
 
 
@@ -166,40 +186,93 @@ class _Chosen:
         return False
 
 
+def _free_choices(todo: dict[str, Choice], report: QuantReport) -> list[Choice]:
+    """The calibration-free choices in a fixed order, each one's backend recorded in the report."""
+    free = [c for layers in _by_method(todo, calibrated=False).values() for c in layers.values()]
+    ordered = sorted(set(free), key=lambda c: (c.scheme.label, c.kernel or "", c.method.name))
+    for choice in ordered:
+        report.backend[choice.method.backend_key(choice)] = choice.config()[1]
+    return ordered
+
+
 def _round_to_nearest(
     lm: nn.Module, todo: dict[str, Choice], experts: set[str], report: QuantReport, skip: bool
 ) -> None:
     """The calibration-free layers, one torchao ``quantize_`` per choice; ``skip``: they arrive by broadcast."""
+    for choice in _free_choices(todo, report):
+        if not skip:  # else quantized once, on rank 0
+            _apply(lm, choice, {n for n, c in todo.items() if c == choice}, experts)
+
+
+def _apply(lm: nn.Module, choice: Choice, names: set[str], experts: set[str]) -> None:
+    """torchao's ``quantize_`` of ``choice`` on the layers ``names`` (expert parameters by name)."""
     from torchao.quantization import FqnToConfig, quantize_
 
-    free = [c for layers in _by_method(todo, calibrated=False).values() for c in layers.values()]
-    for choice in sorted(set(free), key=lambda c: (c.scheme.label, c.kernel or "", c.method.name)):
-        names = {n for n, c in todo.items() if c == choice}
-        config, backend = choice.config()
-        report.backend[choice.method.backend_key(choice)] = backend
-        if skip:
-            continue  # quantized once, on rank 0
-        chosen = _Chosen(names - experts)
-        try:
-            if names - experts:
-                quantize_(lm, config, filter_fn=chosen)
-            if names & experts:  # 3D parameters, quantized by name
-                chosen.seen = ", ".join(sorted(names & experts))
-                quantize_(lm, FqnToConfig({n: config for n in sorted(names & experts)}), filter_fn=None)
-        except Exception as err:
-            # Not the user's input as far as lit-ppl's checks can tell: the traceback stays.
-            raise RuntimeError(f"{backend} failed on {chosen.seen or lm.__class__.__name__}: {err}") from err
+    config, backend = choice.config()
+    chosen = _Chosen(names - experts)
+    try:
+        if names - experts:
+            quantize_(lm, config, filter_fn=chosen)
+        if names & experts:  # 3D parameters, quantized by name
+            chosen.seen = ", ".join(sorted(names & experts))
+            quantize_(lm, FqnToConfig({n: config for n in sorted(names & experts)}), filter_fn=None)
+    except Exception as err:
+        # Not the user's input as far as lit-ppl's checks can tell: the traceback stays.
+        raise RuntimeError(f"{backend} failed on {chosen.seen or lm.__class__.__name__}: {err}") from err
 
 
-def _finish_report(lm: nn.Module, report: QuantReport, tp: TpView | None) -> None:
-    """The quantized parameters, their bytes, the ranks' agreement, and one log line each for skips and totals."""
-    report.weight_bytes_after = sum(tensor_bytes(p) for _, p in lm.named_parameters())
-    quantized = {id(p) for p in lm.parameters() if hasattr(p, "__tensor_flatten__")}
+@dataclass
+class _Known:
+    """What was read of weights quantized as they arrived, while each was whole: per parameter its inner tensors'
+    and its values' digests, per layer its bytes (after that, a rank may hold only its rows)."""
+
+    inner: dict[str, str] = field(default_factory=dict)
+    values: dict[str, str | None] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+
+def _as_read(
+    lm: nn.Module,
+    todo: dict[str, Choice],
+    experts: set[str],
+    report: QuantReport,
+    how: tuple[Stream, Callable[[str], None] | None, _Known],
+    layer_of: dict[str, str],
+) -> None:
+    """The calibration-free layers quantized as their weights arrive (``how``: the stream, the release and what
+    to record); ``layer_of``: every name a layer's weight arrives under (a tied twin's too) → the layer in ``todo``."""
+    stream, release, known = how
+    _free_choices(todo, report)
+    by_param = {n if layer_of[n] in experts else f"{n}.weight": layer for n, layer in layer_of.items()}
+
+    def arrived(param: str) -> None:
+        name = by_param.get(param)
+        if name is None:
+            return
+        _apply(lm, todo[name], {name}, experts)
+        weight = lm.get_parameter(name) if name in experts else lm.get_submodule(name).weight
+        key = name if name in experts else f"{name}.weight"
+        known.inner[key] = digest(weight)
+        known.values[key] = value_digest(weight) or known.inner[key]  # whole_digest's fallback, taken whole
+        known.bytes[name] = tensor_bytes(weight)
+        if release is not None and name not in experts:
+            release(name)
+
+    stream(arrived)
+
+
+def _finish_report(lm: nn.Module, report: QuantReport, tp: TpView | None, known: _Known) -> None:
+    """The quantized parameters, their bytes, the ranks' agreement, and one log line each for skips and totals
+    (``known``: weights hashed and measured whole as they arrived)."""
+    whole = {n: known.bytes.get(n.removesuffix(".weight")) for n in known.inner}
+    report.weight_bytes_after = sum(whole.get(n) or tensor_bytes(p) for n, p in lm.named_parameters())
+    quantized = {id(p) for p in lm.parameters() if is_quantized(p)}
     report.quantized_params = [n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) in quantized]
     report.full_precision_bytes = sum(tensor_bytes(p) for p in lm.parameters() if id(p) not in quantized)
     hashed = [n for n, p in lm.named_parameters() if id(p) in quantized or n.endswith(f".{PRE_SCALE}")]
-    report.consistency = check_ranks_agree(lm, hashed, tp.tp.size if tp is not None else 1)  # pre-scales included
-    report.digest = whole_digest(lm, hashed, tp)
+    size = tp.tp.size if tp is not None else 1
+    report.consistency = check_ranks_agree(lm, hashed, size, known.inner)  # pre-scales included
+    report.digest = whole_digest(lm, hashed, tp, known.values)
     for line in summary_lines(report):
         log.warning("%s", line)
     log.info(

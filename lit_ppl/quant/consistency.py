@@ -32,31 +32,42 @@ def digest(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def whole_digest(lm: nn.Module, names: list[str], tp: Any = None) -> str | None:
+def whole_digest(
+    lm: nn.Module, names: list[str], tp: Any = None, known: dict[str, str | None] | None = None
+) -> str | None:
     """SHA-256 of the quantized weights as one model, whatever the layout: per parameter of ``names`` (name-sorted)
-    its dequantized values and any input pre-scale, each over the whole tensor (``tp``: a
-    :class:`lit_ppl.quant.calibrated.split.TpView`, whose split parameters are gathered from the group's slices).
+    the :func:`value_digest` of its dequantized values and any input pre-scale, each over the whole tensor (``tp``: a
+    :class:`lit_ppl.quant.calibrated.split.TpView`, whose split parameters are gathered from the group's slices;
+    ``known``: digests taken while a parameter was whole, before this rank kept only its rows of it).
     Dequantized values, not the inner tensors: a split tensor's group scales and codes would need a gather rule per
     torchao layout, and the dequantized values (with the pre-scales) are what the layers compute with. A packing
     torchao cannot dequantize (the CPU int4 prototypes) is hashed by its inner tensors, whole layers only: under
     tensor parallelism the digest is then ``None``."""
-    params = dict(lm.named_parameters())
+    params, known = dict(lm.named_parameters()), known or {}
     h = hashlib.sha256()
     for name in sorted(n for n in names if n in params):
-        values = _values(params[name].detach())
-        if values is None:
-            if tp is not None:
-                return None
-            h.update(f"{name}|{digest(params[name])}|".encode())
-            continue
-        layer, _, leaf = name.rpartition(".")
-        for key, x in values.items():
-            if tp is not None:  # a weight split as its own parameter; an input scale along the layer's input columns
-                split = leaf == "weight" and key == "values"
-                x = tp.whole(name, x) if split else tp.whole(f"{layer}.weight", x, columns=True)
-            x = x.contiguous().cpu()
-            h.update(f"{name}|{key}|{x.dtype}|{tuple(x.shape)}|".encode())
-            h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+        entry = known[name] if name in known else value_digest(params[name].detach(), name, tp)
+        if entry is None and tp is not None:
+            return None
+        h.update(f"{name}|{entry or digest(params[name])}|".encode())
+    return h.hexdigest()
+
+
+def value_digest(p: torch.Tensor, name: str = "", tp: Any = None) -> str | None:
+    """SHA-256 of a parameter's dequantized values and input pre-scale (under ``tp``, the parameter ``name``'s
+    whole tensors gathered from the group's slices), or ``None`` where torchao cannot dequantize it."""
+    values = _values(p.detach())
+    if values is None:
+        return None
+    layer, _, leaf = name.rpartition(".")
+    h = hashlib.sha256()
+    for key, x in values.items():
+        if tp is not None:  # a weight split as its own parameter; an input scale along the layer's input columns
+            split = leaf == "weight" and key == "values"
+            x = tp.whole(name, x) if split else tp.whole(f"{layer}.weight", x, columns=True)
+        x = x.contiguous().cpu()
+        h.update(f"{key}|{x.dtype}|{tuple(x.shape)}|".encode())
+        h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -73,16 +84,18 @@ def _values(p: torch.Tensor) -> dict[str, torch.Tensor] | None:
     return values
 
 
-def check_ranks_agree(lm: nn.Module, names: list[str], tp: int = 1) -> dict[str, Any]:
+def check_ranks_agree(
+    lm: nn.Module, names: list[str], tp: int = 1, known: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Hash every quantized parameter on every rank and compare; raise naming the modules that differ.
 
     Under tensor parallelism (``tp`` > 1) the ranks of a group hold different slices: each rank is compared with
-    the first rank holding the same slice (``rank % tp``).
+    the first rank holding the same slice (``rank % tp``). ``known``: digests taken while a parameter was whole.
     """
     import torch.distributed as dist
 
-    params = dict(lm.named_parameters())
-    local = {n: digest(params[n]) for n in names if n in params}
+    params, known = dict(lm.named_parameters()), known or {}
+    local = {n: known[n] if n in known else digest(params[n]) for n in names if n in params}
     _, size = world()
     total = hashlib.sha256("".join(f"{n}={d};" for n, d in sorted(local.items())).encode()).hexdigest()
     if size == 1:

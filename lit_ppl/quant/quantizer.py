@@ -20,7 +20,7 @@ from lit_ppl.config.schema import DistributedConfig
 from lit_ppl.config.values import calibrated_method
 from lit_ppl.errors import LitPplError
 from lit_ppl.quant.apply import quantize_model
-from lit_ppl.quant.assign import rules_from_cfg
+from lit_ppl.quant.assign import assign, rules_from_cfg
 from lit_ppl.quant.report import QuantReport
 
 
@@ -40,15 +40,36 @@ class Quantizer:
         """Whether it observes the model on calibration text before quantizing."""
         return self.calibration is not None
 
+    @property
+    def streams(self) -> bool:
+        """Whether it can quantize each weight as it is read (:meth:`quantize`'s ``stream``): round to nearest,
+        which needs no other layer; not calibration, which runs the whole model first."""
+        return not self.calibrates and self.config.name != "auto"
+
+    def layers(self, lm: nn.Module) -> set[str]:
+        """The modules its rules quantize in ``lm`` (a tied pair by both names), known before any weight is read."""
+        todo, report, _ = assign(lm, rules_from_cfg(self.config), self.config.backend, self.config.group_fallback)
+        return set(todo) | {n for n, entry in report.items() if entry.get("tied_to") in todo}
+
     def read(self, full: dict[str, Any]) -> Any:
         """The reader's part (rank 0, on the whole checkpoint as read), handed to every rank's :meth:`quantize`."""
         return None
 
-    def quantize(self, lm: nn.Module, tp: Any = None, splits: Any = None, read: Any = None) -> QuantReport:
-        """Quantize ``lm`` in place (this rank's tensor-parallel slices under ``tp``); the report."""
+    def quantize(
+        self,
+        lm: nn.Module,
+        tp: Any = None,
+        splits: Any = None,
+        read: Any = None,
+        stream: Any = None,
+        release: Any = None,
+    ) -> QuantReport:
+        """Quantize ``lm`` in place (this rank's tensor-parallel slices under ``tp``); the report. ``stream`` and
+        ``release``: as :func:`lit_ppl.quant.apply.quantize_model` takes them, when :attr:`streams`."""
         from lit_ppl.quant.calibrated.split import TpView
 
-        return quantize_model(lm, self.config, self.calibration, TpView(tp, splits or {}) if tp is not None else None)
+        view = TpView(tp, splits or {}) if tp is not None else None
+        return quantize_model(lm, self.config, self.calibration, view, stream, release)
 
     def __call__(self, lm: nn.Module) -> QuantReport:
         return self.quantize(lm)

@@ -94,6 +94,10 @@ class StoredInt8(Quantizer):
     def name(self) -> str:
         return self.stored["name"]
 
+    @property
+    def streams(self) -> bool:
+        return False  # its codes come from the reader's whole checkpoint (rank 0 reads it)
+
     @staticmethod
     def holds(model: Any, cfg: QuantConfig) -> bool:
         """Whether the checkpoint of ``model`` (a :class:`lit_ppl.model.spec.ModelSpec`) holds torchao INT8 weights

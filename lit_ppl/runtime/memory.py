@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import resource
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -66,6 +67,20 @@ def map_large_blocks() -> None:
         ctypes.CDLL("libc.so.6").mallopt(-3, LARGE_BLOCK)
 
 
+@contextlib.contextmanager
+def large_blocks_mapped() -> Iterator[None]:
+    """Inside: blocks of 1 MiB and more from ``mmap``, as :func:`map_large_blocks`; after: the setting before. For
+    weights read and replaced one by one (each float weight freed as its quantized one arrives): from the heap, the
+    interleaved sizes fragment it to the whole float model's size."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, LARGE_BLOCK)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").mallopt(-3, _heap_blocks_up_to[0])
+
+
 def rank_peak_memory(device: Any) -> tuple[int, int]:
     """This process's peak host RSS in KiB and, on a CUDA ``device``, its peak allocated bytes there (else -1).
 
@@ -102,5 +117,17 @@ def inner_tensors(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """The bytes a tensor holds: a quantized one's codes, scales and zero points."""
+    """The bytes a tensor holds: a quantized one's codes, scales and zero points; a DTensor's whole tensor (every
+    rank's shards together: a rank's own are its ``to_local()``'s)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return t.numel() * t.element_size()
     return sum(x.numel() * x.element_size() for _, x in inner_tensors(t))
+
+
+def is_quantized(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a quantized tensor subclass (torchao's), not a plain or a distributed (DTensor) one."""
+    from torch.distributed.tensor import DTensor
+
+    return hasattr(t, "__tensor_flatten__") and not isinstance(t, DTensor)
