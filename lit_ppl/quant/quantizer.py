@@ -43,8 +43,9 @@ class Quantizer:
     @property
     def streams(self) -> bool:
         """Whether it can quantize each weight as it is read (:meth:`quantize`'s ``stream``): round to nearest,
-        which needs no other layer; not calibration, which runs the whole model first."""
-        return not self.calibrates and self.config.name != "auto"
+        which needs no other layer; not calibration, which runs the whole model first, nor ``quant.source=rank0``,
+        whose ranks receive rank 0's weights once all are quantized."""
+        return not self.calibrates and self.config.name != "auto" and self.config.source != "rank0"
 
     def layers(self, lm: nn.Module) -> set[str]:
         """The modules its rules quantize in ``lm`` (a tied pair by both names), known before any weight is read."""
