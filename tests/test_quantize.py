@@ -134,6 +134,14 @@ def test_int4_bf16_on_cpu_uses_the_prototype_backend():
     assert torch.isfinite(model(ids).logits).all()
 
 
+def test_weights_quantized_as_they_are_read_get_the_kernel_of_their_device(compose):
+    """One process reads stories260K's checkpoint weight by weight, each quantized as it arrives; the int4 kernel is
+    chosen while the weights are still unread (on the meta device): for bf16 on CPU, the CPU prototype, as when the
+    model was loaded whole first (a meta weight's own device chose intx)."""
+    r = evaluate(compose(*DATA, "quant=int4", "quant.group_size=64", "precision=bf16-true"))
+    assert set(r["quant"]["backend"]) == {"int4-g64 (prototype)"} and r["quant"]["quantized_modules"] == 4 * LAYERS
+
+
 def test_policy_quantizes_exactly_the_modules_its_rules_name():
     from torchao.quantization import Int8Tensor, IntxUnpackedToInt8Tensor
 

@@ -70,10 +70,14 @@ class Quantizes(Protocol):
         read: Any,
         stream: Any = None,
         release: Any = None,
+        device: Any = None,
     ) -> Any:
         """Quantize ``lm`` (this rank's tensor-parallel slices under ``tp``) in place; a report with
-        ``quantized_params``. ``stream(arrived)`` loads the weights, calling ``arrived(name)`` as each is in place, to
-        be quantized then and its layer's name handed to ``release``."""
+        ``quantized_params``. ``stream(arrived)`` loads the weights onto ``device``, calling ``arrived(name)`` as each
+        is in place, to be quantized then and its layer's name handed to ``release``."""
+
+    def layers(self, lm: nn.Module, device: Any) -> set[str]:
+        """The modules its rules quantize, known before any weight is read."""
 
 
 @dataclass
@@ -131,7 +135,7 @@ def place(
     # keeps its rows, so no rank holds the float model.
     as_read = quantizer is not None and quantizer.streams and where.dp_mesh is not None and tp is None
     later = _arriving(lm) if as_read and parts is not None else []
-    float_table = quantizer is None or (bool(later) and not quantizer.layers(lm) & _tables(lm))
+    float_table = quantizer is None or (bool(later) and not quantizer.layers(lm, where.device) & _tables(lm))
     if by_rows and float_table and (parts is not None or spec.is_builtin):  # a reader's broadcast fills whole
         lockstep = _hold_by_rows(lm, where, block_bytes)
     scorer = TokenScorer(lm, where.chunk_size, tp, lockstep)
@@ -254,7 +258,7 @@ def _quantize_as_read(spec: ModelSpec, lm: nn.Module, parts: Any, quantizer: Qua
             load_own_parts(lm, parts, {}, None, arrived, where.device)
 
     release = None if group is None else lambda name: shard_quantized_rows(lm, [f"{name}.weight"], group)
-    report = quantizer.quantize(lm, None, {}, None, stream, release)
+    report = quantizer.quantize(lm, None, {}, None, stream, release, where.device)
     _check_loaded(spec, lm, nan)
     return report
 

@@ -51,6 +51,7 @@ def quantize_model(
     tp: TpView | None = None,
     stream: Stream | None = None,
     release: Callable[[str], None] | None = None,
+    device: Any = None,
 ) -> QuantReport:
     """Apply the typed ``quant`` config ``cfg`` to ``lm`` in place and return the report.
 
@@ -58,7 +59,8 @@ def quantize_model(
     ``tp``: this rank's tensor-parallel group and splits, when ``lm`` holds this rank's slices of every split layer.
     ``stream``: the weights are not loaded yet (round to nearest only): ``stream(arrived)`` loads them one at a time,
     calling ``arrived(parameter name)`` as each is in place; each is quantized then, hashed whole, and its layer's
-    name handed to ``release`` (which may keep only this rank's rows of it): no rank holds two of them in float.
+    name handed to ``release`` (which may keep only this rank's rows of it): no rank holds two of them in float;
+    ``device``: where they will be (the int4 kernel is chosen for it).
     """
     report = QuantReport(name=cfg.name, source=cfg.source)
     report.weight_bytes_before = sum(tensor_bytes(p) for _, p in lm.named_parameters())
@@ -67,7 +69,7 @@ def quantize_model(
         from lit_ppl.quant.auto.search import choose_policy
 
         cfg, report.auto = choose_policy(lm, cfg, calibration, _where(*world(), tp))
-    todo, report.modules, targets = assign(lm, rules_from_cfg(cfg), cfg.backend, cfg.group_fallback)
+    todo, report.modules, targets = assign(lm, rules_from_cfg(cfg), cfg.backend, cfg.group_fallback, device)
     _check_assigned(lm, report, todo, targets)
     before = {n: tensor_bytes(t.weight(lm)) for n, t in targets.items()}
     twins = {n: e["tied_to"] for n, e in report.modules.items() if "tied_to" in e}

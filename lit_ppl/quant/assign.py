@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from lit_ppl.config.quant import QuantConfig
@@ -107,10 +108,20 @@ def _decide(lm: nn.Module, rules: list[Rule], targets: dict[str, Target]) -> tup
 
 
 def _choose(
-    lm: nn.Module, name: str, target: Target, scheme: Scheme, rule: Rule, backend: str, fallback: bool, tied: bool
+    lm: nn.Module,
+    name: str,
+    target: Target,
+    scheme: Scheme,
+    rule: Rule,
+    where: tuple[str, torch.device | None],
+    fallback: bool,
+    tied: bool,
 ) -> tuple[Choice | None, dict[str, Any]]:
-    """One target's choice under ``rule`` (``None`` if its shape refuses the scheme) and its report entry's facts."""
+    """One target's choice under ``rule`` (``None`` if its shape refuses the scheme) and its report entry's facts;
+    ``where``: the int4 backend asked for, and the device of a weight not read yet."""
     weight = target.weight(lm)
+    backend, device = where
+    device = device if weight.is_meta and device is not None else weight.device
     module = lm.get_submodule(name) if target.kind != "experts" else None
     if module is not None and foreign_forward(module):
         raise LitPplError(
@@ -121,7 +132,7 @@ def _choose(
     if refused:
         raise LitPplError(f"{name}: {refused}")
     embedding = target.kind == "embedding"
-    kernel = int4_backend(backend, weight.device, weight.dtype, embedding) if scheme.kind == "int4" else None
+    kernel = int4_backend(backend, device, weight.dtype, embedding) if scheme.kind == "int4" else None
     refused = rule.method.problem(scheme, kernel, target, tied, rule.describe())
     if refused:
         raise LitPplError(f"{name}: {refused}")
@@ -139,13 +150,18 @@ def _choose(
 
 
 def assign(
-    lm: nn.Module, rules: list[Rule], backend: str = "auto", fallback: bool = True
+    lm: nn.Module,
+    rules: list[Rule],
+    backend: str = "auto",
+    fallback: bool = True,
+    device: torch.device | None = None,
 ) -> tuple[dict[str, Choice], dict[str, dict[str, Any]], dict[str, Target]]:
     """Decide each target: ``({name: choice}, {name: report entry}, targets)`` (a tied twin is quantized through
     its first name, so it has an entry and no choice).
 
     ``fallback``: an int4 layer whose input features the group size does not divide takes the largest group size
-    below it that does, recorded in its entry; otherwise it stays in full precision, listed."""
+    below it that does, recorded in its entry; otherwise it stays in full precision, listed. ``device``: where a
+    weight still on the meta device (read later) will be, for the int4 kernel's choice."""
     targets = find_targets(lm)
     _check_matched(lm, rules, targets)
     decided, tied = _decide(lm, rules, targets)
@@ -162,7 +178,7 @@ def assign(
             entry["reason"] = "no rule matches" if rule is None else f"{rule.describe()} says none"
         else:
             twin = name in tied or name in tied.values()
-            choice, facts = _choose(lm, name, target, scheme, rule, backend, fallback, twin)
+            choice, facts = _choose(lm, name, target, scheme, rule, (backend, device), fallback, twin)
             entry.update(facts)
             if choice is not None and name not in tied:
                 choices[name] = choice

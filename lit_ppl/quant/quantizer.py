@@ -47,9 +47,11 @@ class Quantizer:
         whose ranks receive rank 0's weights once all are quantized."""
         return not self.calibrates and self.config.name != "auto" and self.config.source != "rank0"
 
-    def layers(self, lm: nn.Module) -> set[str]:
-        """The modules its rules quantize in ``lm`` (a tied pair by both names), known before any weight is read."""
-        todo, report, _ = assign(lm, rules_from_cfg(self.config), self.config.backend, self.config.group_fallback)
+    def layers(self, lm: nn.Module, device: Any) -> set[str]:
+        """The modules its rules quantize in ``lm`` (a tied pair by both names), known before any weight is read
+        (``device``: where the weights will be)."""
+        cfg = self.config
+        todo, report, _ = assign(lm, rules_from_cfg(cfg), cfg.backend, cfg.group_fallback, device)
         return set(todo) | {n for n, entry in report.items() if entry.get("tied_to") in todo}
 
     def read(self, full: dict[str, Any]) -> Any:
@@ -64,13 +66,14 @@ class Quantizer:
         read: Any = None,
         stream: Any = None,
         release: Any = None,
+        device: Any = None,
     ) -> QuantReport:
-        """Quantize ``lm`` in place (this rank's tensor-parallel slices under ``tp``); the report. ``stream`` and
-        ``release``: as :func:`lit_ppl.quant.apply.quantize_model` takes them, when :attr:`streams`."""
+        """Quantize ``lm`` in place (this rank's tensor-parallel slices under ``tp``); the report. ``stream``,
+        ``release`` and ``device``: as :func:`lit_ppl.quant.apply.quantize_model` takes them, when :attr:`streams`."""
         from lit_ppl.quant.calibrated.split import TpView
 
         view = TpView(tp, splits or {}) if tp is not None else None
-        return quantize_model(lm, self.config, self.calibration, view, stream, release)
+        return quantize_model(lm, self.config, self.calibration, view, stream, release, device)
 
     def __call__(self, lm: nn.Module) -> QuantReport:
         return self.quantize(lm)
