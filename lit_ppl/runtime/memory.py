@@ -69,7 +69,8 @@ def map_large_blocks() -> None:
 
 @contextlib.contextmanager
 def large_blocks_mapped() -> Iterator[None]:
-    """Inside: blocks of 1 MiB and more from ``mmap``, as :func:`map_large_blocks`; after: the setting before. For
+    """Inside: blocks of 1 MiB and more from ``mmap``, as :func:`map_large_blocks`; after: the heap's own setting
+    (``_heap_blocks_up_to``, which :func:`keep_freed_memory_in_heap` also sets). For
     weights read and replaced one by one (each float weight freed as its quantized one arrives): from the heap, the
     interleaved sizes fragment it to the whole float model's size."""
     with contextlib.suppress(OSError, AttributeError):
