@@ -116,6 +116,7 @@ def _scores(rank: int, model: str) -> tuple:
 
     int8, _ = place(ModelSpec(path=model), where, torch.float32, _int8())  # its table stays float: by rows
     held = held and isinstance(int8.lm.get_output_embeddings(), RowsHead) and int8.lockstep is not None
+    held = held and len(scorer.head_blocks) == len(int8.head_blocks) > 1  # the loss streams over the blocks
     with torch.no_grad():
         nll = scorer(ids[:, :-1], index, targets)
         kl = scorer(ids[:, :-1], index, targets, then=compare)

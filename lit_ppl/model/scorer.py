@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from lit_ppl.errors import UserError
-from lit_ppl.model.nll import chunked_nll
+from lit_ppl.model.nll import Head, chunked_nll
 from lit_ppl.parallel.tensor_parallel import Group, gather_vocab, vocab_parallel_cross_entropy_
+from lit_ppl.parallel.vocab_rows import RowsHead
 
 # What each architecture's ``ForCausalLM.forward`` multiplies the head's output by. Keyed by model_type, not by
 # config attribute: one name means different things (Granite divides by ``logits_scaling``, HyperCLOVA X
@@ -78,6 +79,15 @@ def head_fn(model: nn.Module, head: nn.Module) -> Callable[[torch.Tensor], torch
     return lambda hidden: transform(head(hidden), scale, cap)
 
 
+def head_blocks(model: nn.Module, head: nn.Module) -> list[tuple[int, Head]] | None:
+    """A head held by blocks of vocabulary rows as ``(first row, that block's head)``, each with the architecture's
+    scaling and soft-cap (element-wise: the same per block); ``None`` for any other head."""
+    if not isinstance(head, RowsHead):
+        return None
+    scale, cap = logit_transform(model.config)
+    return [(b.start, lambda h, b=b: transform(b(h, lookup=False), scale, cap)) for b in head.rows.blocks]
+
+
 class TokenScorer(nn.Module):
     """Per-token NLL of a causal LM's scored positions, with the logits chunked.
 
@@ -97,6 +107,7 @@ class TokenScorer(nn.Module):
         self.decoder, head = decoder_and_head(lm)
         self.head = head_fn(lm, head)
         self.head_module = head
+        self.head_blocks = head_blocks(lm, head)  # held by rows: the loss streams over them (one block's logits)
         self.chunk_size = chunk_size
         self.tp = tp
         self.lockstep = lockstep  # the group whose ranks call the head equally often (its vocabulary held by rows)
@@ -133,7 +144,7 @@ class TokenScorer(nn.Module):
 
     def nll(self, scored: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-token NLL of hidden states ``scored`` ``(n, d)`` through this model's head, chunk by chunk."""
-        return chunked_nll(scored, targets, self.head, self.chunk_size, self.loss, self.lockstep)
+        return chunked_nll(scored, targets, self.head, self.chunk_size, self.loss, self.lockstep, self.head_blocks)
 
     def release_head(self) -> None:
         """Free the gathered output head once every chunk is scored (an FSDP2 unit kept gathered across chunks)."""

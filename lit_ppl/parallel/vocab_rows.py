@@ -4,7 +4,9 @@ FSDP2 gathers a unit whole, and a vocabulary table is one parameter: a tied 262,
 that FSDP gathers (its all-gather output beside the unsharded copy) for the lookup and keeps through the whole forward
 — on a 270M model, more per rank than one process holds in all. Here the table is cut into blocks of rows no bigger
 than a decoder block, each sharded alone: the lookup and every chunk of the head gather one block at a time, and the
-same blocks serve a tied embedding and head. The ranks must then call the head the same number of times:
+same blocks serve a tied embedding and head, and the loss streams over them
+(:func:`lit_ppl.model.nll.streamed_cross_entropy`: one block's logits at a time). The ranks must then call the head
+the same number of times:
 :func:`lit_ppl.metrics.chunks.agreed_chunks` gives every rank the largest chunk count. Written here because FSDP2
 has no unit smaller than a parameter, and the usual answer (a vocabulary-parallel head, as torchtitan's) needs a
 tensor-parallel group.
