@@ -17,7 +17,7 @@ from helpers.nodes import free_port
 
 from lit_ppl.evaluation.reference import full_head
 from lit_ppl.metrics.kl import token_stats
-from lit_ppl.model.placement import Placement, place
+from lit_ppl.model.placement import Placement, place, place_head
 from lit_ppl.model.scorer import check_scorer
 from lit_ppl.model.spec import ModelSpec
 from lit_ppl.parallel.layout import Layout
@@ -117,6 +117,15 @@ def _scores(rank: int, model: str) -> tuple:
     int8, _ = place(ModelSpec(path=model), where, torch.float32, _int8())  # its table stays float: by rows
     held = held and isinstance(int8.lm.get_output_embeddings(), RowsHead) and int8.lockstep is not None
     held = held and len(scorer.head_blocks) == len(int8.head_blocks) > 1  # the loss streams over the blocks
+    table = full_head(scorer)["weight"]
+    linear = torch.nn.Linear(16, 512, bias=False)
+    linear.weight = torch.nn.Parameter(table.clone(), requires_grad=False)
+    stored, group = place_head(linear, where, scorer.lm)  # a saved reference's head: held by rows too
+    hidden = torch.randn(LENGTHS[rank], 16, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits = stored(hidden)
+    held = held and isinstance(stored, RowsHead) and group is not None and len(stored.rows.blocks) > 1
+    held = held and torch.allclose(logits, torch.nn.functional.linear(hidden, table), rtol=1e-6, atol=1e-6)
     with torch.no_grad():
         nll = scorer(ids[:, :-1], index, targets)
         kl = scorer(ids[:, :-1], index, targets, then=compare)

@@ -192,6 +192,7 @@ class SavedCompareModule(KLModule):
         self.store_dir = store
         self.saved: SavedReference | None = None
         self.stored_head: StoredHead | None = None
+        self.stored_lockstep: Any = None  # the group calling the stored head in step, where it is held by rows
         self._checked = False
 
     def setup(self, stage: str) -> None:
@@ -207,20 +208,23 @@ class SavedCompareModule(KLModule):
         assert self.saved is not None and self.scorer is not None
         rows = vocab_rows(self.scorer)
         own = self.scorer.head_module if rows is None and self.placement.dp_mesh is None else None
-        self.stored_head = place_head(self.saved.head(rows, own), self.placement)
+        head = self.saved.head(rows, own)
+        head.linear, self.stored_lockstep = place_head(head.linear, self.placement, self.scorer.lm)
+        self.stored_head = head
 
     def reference_stats(self, batch: dict[str, Any], hidden: Tensor, scorer: TokenScorer) -> dict[str, Tensor]:
         assert self.saved is not None and self.stored_head is not None
         hidden_base, nll_saved = self.saved.read(batch, hidden.device)
         head = self.stored_head
-        sharded = hasattr(head, "unshard")  # its own FSDP root, called inside the candidate's: gathered by hand
+        sharded = hasattr(head.linear, "unshard")  # its own FSDP root, called inside the candidate's: gathered by hand
         if sharded:
-            head.unshard()
+            head.linear.unshard()
         try:
-            stats = self.stats(hidden, batch["targets"], scorer, hidden_base.to(head.weight.dtype), head)
+            base = hidden_base.to(head.weight.dtype)
+            stats = self.stats(hidden, batch["targets"], scorer, base, head, self.stored_lockstep)
         finally:
             if sharded:
-                head.reshard()
+                head.linear.reshard()
         if not self._checked and nll_saved.numel():
             self._check(stats["nll_base"], nll_saved)
         return stats

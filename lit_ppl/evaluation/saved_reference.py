@@ -29,7 +29,9 @@ from lit_ppl.model.scorer import TokenScorer, transform
 
 
 class StoredHead(nn.Module):
-    """A saved output head: ``transform(hidden @ weight.T + bias)``, this rank's vocabulary slice under TP."""
+    """A saved output head: ``transform(linear(hidden))``, ``linear`` the stored ``weight`` and ``bias`` (this rank's
+    vocabulary slice under TP; under FSDP sharded, or held by blocks of rows, by
+    :func:`lit_ppl.model.placement.place_head`)."""
 
     def __init__(self, saved: dict[str, Any], rows: slice | None = None) -> None:
         super().__init__()
@@ -37,12 +39,19 @@ class StoredHead(nn.Module):
         if rows is not None:
             weight, bias = weight[rows], None if bias is None else bias[rows]
         keep = lambda t: t if isinstance(t, nn.Parameter) else nn.Parameter(t.contiguous(), requires_grad=False)  # noqa: E731
-        self.weight = keep(weight)  # a model's own head is shared, not copied
-        self.bias = None if bias is None else keep(bias)
+        self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        self.linear.weight = keep(weight)  # a model's own head is shared, not copied
+        if bias is not None:
+            self.linear.bias = keep(bias)
         self.scale, self.cap = saved.get("scale"), saved.get("softcap")
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The stored weight (a meta tensor of its shape and dtype where it is held by rows)."""
+        return self.linear.weight
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return transform(nn.functional.linear(hidden, self.weight, self.bias), self.scale, self.cap)
+        return transform(self.linear(hidden), self.scale, self.cap)
 
 
 class SavedReference:

@@ -48,7 +48,7 @@ from lit_ppl.parallel.sharding import (
     weight_bytes,
 )
 from lit_ppl.parallel.tensor_parallel import Group, parallelize
-from lit_ppl.parallel.vocab_rows import hold_by_rows
+from lit_ppl.parallel.vocab_rows import RowsHead, hold_by_rows, table_by_rows
 from lit_ppl.runtime.memory import is_quantized, large_blocks_mapped, map_large_blocks
 
 __all__ = ["Placement", "Quantizes", "place", "place_head", "weight_bytes"]
@@ -182,15 +182,24 @@ def _place_whole(
     return _compiled(TokenScorer(lm, where.chunk_size), where), report
 
 
-def place_head(head: nn.Module, where: Placement) -> nn.Module:
-    """A saved reference's output head (its vocabulary rows already cut to this rank's tensor-parallel slice) on
-    the device, sharded like the candidate's under FSDP."""
+def place_head(head: nn.Module, where: Placement, candidate: nn.Module) -> tuple[nn.Module, Any]:
+    """A saved reference's linear output head (its vocabulary rows already cut to this rank's tensor-parallel slice)
+    on the device, sharded like the ``candidate`` model's under FSDP: ``(head, the group whose ranks must call it in
+    step, or None)``. Where the candidate's own table may be held by rows, a bias-free head bigger than one of its
+    decoder blocks is too (:mod:`lit_ppl.parallel.vocab_rows`): one block gathered at a time, never the whole table."""
     head = head.to(where.device)
-    if where.dp_mesh is not None:
-        from torch.distributed.fsdp import fully_shard
+    if where.dp_mesh is None:
+        return head, None
+    from torch.distributed.fsdp import fully_shard
 
-        fully_shard(head, mesh=where.dp_mesh, reshard_after_forward=False)  # gathered once per batch, then resharded
-    return head
+    by_rows = where.vocab_rows and where.layout.tp == 1
+    block_bytes = max(map(weight_bytes, decoder_blocks(candidate))) * where.layout.dp_shard if by_rows else 0  # shards
+    if by_rows and (table := table_by_rows(head, block_bytes)) is not None:
+        for block in table.blocks:
+            fully_shard(block, mesh=where.dp_mesh)
+        return RowsHead(table), where.mesh["dp_shard"].get_group()
+    fully_shard(head, mesh=where.dp_mesh, reshard_after_forward=False)  # gathered once per batch, then resharded
+    return head, None
 
 
 def _load(

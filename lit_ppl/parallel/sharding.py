@@ -55,7 +55,8 @@ def fsdp_mesh(mesh: DeviceMesh | None, layout: Layout) -> DeviceMesh | None:
 def decoder_blocks(lm: nn.Module) -> list[nn.Module]:
     """The repeated blocks to shard one by one: Hugging Face names their classes in ``_no_split_modules``."""
     names = set(getattr(lm, "_no_split_modules", None) or [])
-    blocks = [m for m in lm.modules() if type(m).__name__ in names]
+    # By any class of its MRO: fully_shard turns a LlamaDecoderLayer into an FSDPLlamaDecoderLayer subclass.
+    blocks = [m for m in lm.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not blocks:
         raise LitPplError(f"{type(lm).__name__} declares no _no_split_modules; cannot find its decoder blocks")
     return blocks

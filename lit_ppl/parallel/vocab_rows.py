@@ -121,18 +121,23 @@ def hold_by_rows(lm: nn.Module, block_bytes: int) -> list[VocabRows]:
         (embed, RowsEmbedding, lm.set_input_embeddings),
         (None if tied or head is None else head, RowsHead, lm.set_output_embeddings),
     ):
-        if module is None:
+        if module is None or (table := table_by_rows(module, block_bytes)) is None:
             continue
-        weight = module.weight
-        rows = max(1, block_bytes // (weight.shape[1] * weight.element_size()))
-        if math.ceil(weight.shape[0] / rows) < 2:
-            continue
-        table = VocabRows(weight, rows)
         setter(wrap(table))
         if tied and module is embed:
             lm.set_output_embeddings(RowsHead(table))
         held.append(table)
     return held
+
+
+def table_by_rows(module: nn.Module, block_bytes: int) -> VocabRows | None:
+    """``module``'s float ``weight`` as blocks of at most ``block_bytes``; ``None`` where it has a bias, is quantized or
+    fits in one block."""
+    weight = module.weight
+    if getattr(module, "bias", None) is not None or hasattr(weight, "__tensor_flatten__") or block_bytes <= 0:
+        return None
+    rows = max(1, block_bytes // (weight.shape[1] * weight.element_size()))
+    return VocabRows(weight, rows) if math.ceil(weight.shape[0] / rows) >= 2 else None
 
 
 def row_targets(lm: nn.Module) -> dict[str, list[tuple[int, torch.Tensor]]]:
