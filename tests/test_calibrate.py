@@ -489,7 +489,9 @@ def _rank_work(rank: int, world: int, path: str, cache: str) -> None:
         result[source] = {"consistency": report.consistency, "calibration": report.calibration}
     for label, extra in INT4_CALIBRATED.items():  # int4 on CPU: AWQ with its input pre-scale, GPTQ on torch ops
         report = quantize.build(awq_cfg(cache, **HALF) | extra, tokenizer())(lm())
+        solvers = {e["gptq_solved_by"] for e in report.modules.values() if "gptq_solved_by" in e}
         result[label] = {"consistency": report.consistency, "calibration": report.calibration}
+        result[label]["solvers"] = sorted(solvers)
     with open(path, "w") as f:
         json.dump(result, f)
 
@@ -526,6 +528,8 @@ def test_one_two_and_three_ranks_calibrate_to_identical_weights(tmp_path):
             for label, one in int4.items():
                 assert r[label]["calibration"]["world_size"] == world and r[label]["consistency"]["checked"]
                 assert r[label]["consistency"]["digest"] == one["digest"], (world, label)
+                # GPTQ's solves shared out: every rank solved some layers, the others received its codes
+                assert r[label]["solvers"] == ([] if label == "awq" else list(range(world))), (world, label)
         assert ranks[0]["local"]["calibration"]["world_size"] == world
         assert ranks[0]["rank0"]["calibration"]["world_size"] == 1  # rank 0 calibrated on the whole set
         assert ranks[1]["rank0"]["calibration"] is None  # and the others received its weights

@@ -21,7 +21,7 @@ from torch import nn
 
 from lit_ppl.config.quant import GptqConfig
 from lit_ppl.errors import LitPplError
-from lit_ppl.quant.calibrated.gptq_solver import gptq_tensor
+from lit_ppl.quant.calibrated.gptq_solver import gptq_tensor, solve, solve_facts, with_codes
 from lit_ppl.quant.calibrated.split import TpView
 from lit_ppl.quant.calibrated.stream import Where, block_of, layer_statistics, stream
 from lit_ppl.quant.calibrated.text import Calibration
@@ -98,13 +98,57 @@ def quantize_layers(
     hessians: dict[str, dict[str, torch.Tensor]],
     opts: GptqConfig,
     tp: TpView | None = None,
+    solvers: int = 1,
 ) -> dict[str, dict[str, Any]]:
     """Replace each layer of ``configs`` (name → (torchao config, whether torchao's own CUDA GPTQ runs it)) by its
-    GPTQ quantization from the reduced ``hessians`` (:func:`gptq_hessians`); returns per-layer facts."""
+    GPTQ quantization from the reduced ``hessians`` (:func:`gptq_hessians`); returns per-layer facts. ``solvers``:
+    the ranks of the default group, each holding every layer whole, that share the solves (:func:`_shared_solves`)."""
+    if solvers > 1 and tp is None:
+        return _shared_solves(lm, configs, hessians, opts, solvers)
     chosen: dict[str, dict[str, Any]] = {}
     for name, (config, torchao) in configs.items():
         mod = lm.get_submodule(name)
         weight, chosen[name] = layer_gptq(hessians[name], mod.weight, config, torchao, opts, tp, name)
+        mod.weight = nn.Parameter(weight, requires_grad=False)
+    return chosen
+
+
+def _shared_solves(
+    lm: nn.Module,
+    configs: dict[str, tuple[Any, bool]],
+    hessians: dict[str, dict[str, torch.Tensor]],
+    opts: GptqConfig,
+    solvers: int,
+) -> dict[str, dict[str, Any]]:
+    """:func:`quantize_layers` with the ``i``-th layer solved by rank ``i mod solvers`` alone (all solve theirs
+    first, then each layer's codes, scales and zero points are broadcast from its solver): the solve is
+    deterministic, so the weights are those of a rank solving all. torchao's CUDA GPTQ still runs on every rank."""
+    import torch.distributed as dist
+
+    from lit_ppl.quant.calibrated.awq import quantize_weight
+
+    me, order = dist.get_rank(), list(configs.items())
+    mine = {
+        name: solve(hessians[name]["xtx"], lm.get_submodule(name).weight, config, opts)[1:4]
+        for i, (name, (config, torchao)) in enumerate(order)
+        if not torchao and i % solvers == me
+    }
+    chosen: dict[str, dict[str, Any]] = {}
+    for i, (name, (config, torchao)) in enumerate(order):
+        mod, st = lm.get_submodule(name), hessians[name]
+        if torchao:
+            weight, chosen[name] = layer_gptq(st, mod.weight, config, True, opts)
+        else:
+            ref = quantize_weight(mod.weight.detach(), config)  # torchao's tensor whose codes are replaced
+            rows = mod.weight.shape[0]
+            empty = (torch.empty(mod.weight.shape, dtype=torch.int8, device=mod.weight.device),)
+            empty += (torch.empty_like(ref.scale.reshape(rows, -1)), torch.empty_like(ref.zero_point.reshape(rows, -1)))
+            parts = mine.pop(name, empty)
+            for t in parts:  # as bytes: gloo has no collective for every dtype
+                dist.broadcast(t.view(-1).view(torch.uint8), src=i % solvers)
+            weight = with_codes(ref, *parts)
+            facts = {"gptq_tokens": int(st["count"]), **solve_facts(st["xtx"], opts)}
+            chosen[name] = {**facts, "gptq_solved_by": i % solvers}
         mod.weight = nn.Parameter(weight, requires_grad=False)
     return chosen
 
@@ -162,9 +206,9 @@ def run_gptq(
         hessians = (
             hessians if hessians is not None else gptq_hessians(lm, sorted(configs), calibration, rank, world_size, tp)
         )
-        return quantize_layers(lm, configs, hessians, opts, tp)
+        return quantize_layers(lm, configs, hessians, opts, tp, world_size)
     chosen: dict[str, dict[str, Any]] = {}
     for block, names in blocks(lm, list(configs)):
         h = gptq_hessians(lm, names, calibration, rank, world_size, tp, stop=block)
-        chosen.update(quantize_layers(lm, {n: configs[n] for n in names}, h, opts, tp))
+        chosen.update(quantize_layers(lm, {n: configs[n] for n in names}, h, opts, tp, world_size))
     return chosen

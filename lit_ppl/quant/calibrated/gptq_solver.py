@@ -64,9 +64,9 @@ def gptq_tensor(
 
     param = f"{name}.weight"
     if tp is None or tp.split_of(param) is None:
-        ref, Q, scale, zero, facts = _solve(xtx, weight, config, opts)
+        ref, Q, scale, zero, facts = solve(xtx, weight, config, opts)
         return with_codes(ref, Q, scale, zero), facts
-    _, Q, scale, zero, facts = _solve(xtx, tp.whole(param, weight), config, opts)
+    _, Q, scale, zero, facts = solve(xtx, tp.whole(param, weight), config, opts)
     if tp.rowwise(name):
         cols = tp.columns(name, Q.shape[1])
         g = Q.shape[1] // scale.shape[1]
@@ -85,7 +85,12 @@ def with_codes(ref: torch.Tensor, Q: torch.Tensor, scale: torch.Tensor, zero: to
     return ref
 
 
-def _solve(
+def solve_facts(xtx: torch.Tensor, opts: GptqConfig) -> dict[str, Any]:
+    """What the report says of one layer's solve: its dead inputs (``H_jj = 0``) and whether columns were reordered."""
+    return {"gptq_dead_inputs": int((xtx.diagonal() == 0).sum()), "gptq_act_order": opts.act_order}
+
+
+def solve(
     xtx: torch.Tensor, weight: torch.Tensor, config: Any, opts: GptqConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
     """GPTQ's codes ``(out, in)`` of ``weight``, its scales and zero points ``(out, groups)``, torchao's
@@ -137,5 +142,4 @@ def _solve(
             W1[:, i:] -= err[:, None] * U[i1 + i, i1 + i : i2][None, :]
             E1[:, i] = err
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
-    facts = {"gptq_dead_inputs": int(dead.sum()), "gptq_act_order": opts.act_order}
-    return ref, Q[:, torch.argsort(perm)], scale, zero, facts
+    return ref, Q[:, torch.argsort(perm)], scale, zero, solve_facts(xtx, opts)
