@@ -193,7 +193,8 @@ def place_head(head: nn.Module, where: Placement, candidate: nn.Module) -> tuple
     from torch.distributed.fsdp import fully_shard
 
     by_rows = where.vocab_rows and where.layout.tp == 1
-    block_bytes = max(map(weight_bytes, decoder_blocks(candidate))) * where.layout.dp_shard if by_rows else 0  # shards
+    # A decoder block's bytes: this rank's share of it times the ranks sharing it.
+    block_bytes = max(map(weight_bytes, decoder_blocks(candidate))) * where.layout.dp_shard if by_rows else 0
     if by_rows and (table := table_by_rows(head, block_bytes)) is not None:
         for block in table.blocks:
             fully_shard(block, mesh=where.dp_mesh)
