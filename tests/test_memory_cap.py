@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, STORIES, TINYSTORIES, require_shared, run
+from conftest import ROOT, STORIES, TINYSTORIES, WIKITEXT, require_shared, run
 from helpers.nodes import free_port
 
 MEMCG = Path("/sys/fs/cgroup/memory")
@@ -132,14 +132,16 @@ def _text_env_weights(large: Path, tmp_path: Path) -> tuple[Path, dict[str, str]
     return text, env, 2 * sum(f.stat().st_size for f in large.glob("*.safetensors")) / 2**20  # bf16 on disk
 
 
-def _fsdp_two_ranks(large: Path, text: Path, out: Path, env: dict[str, str], ranks: list[Path], *extra: str) -> dict:
+def _fsdp_two_ranks(
+    large: Path, text: Path, out: Path, env: dict[str, str], ranks: list[Path], *extra: str, timeout: float = 180
+) -> dict:
     """``strategy=fsdp`` × 2 (torchrun), each rank in its own capped group (by its LOCAL_RANK): its results."""
     env = env | {f"LIT_PPL_MEMCG_{i}": str(g) for i, g in enumerate(ranks)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
     cmd += ["--master_port", str(free_port()), "--no-python"]
     cmd += [*_in_group("$(printenv LIT_PPL_MEMCG_$LOCAL_RANK)"), sys.executable]
     cmd += _args(large, text, out, "strategy=fsdp", "trainer.devices=2", *extra)
-    proc = run(cmd, 180, cwd=out.parent, env=env)
+    proc = run(cmd, timeout, cwd=out.parent, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((out / "results.json").read_text())
     assert r["world_size"] == 2 and math.isfinite(r["ppl"]) and r["tokens"] > 0
@@ -178,3 +180,25 @@ def test_int8_quantizes_each_weight_as_it_is_read(large_checkpoint, capped_group
     one = json.loads((tmp_path / "one" / "results.json").read_text())
     assert one["rank_peak_rss_mb"][0] < CAP_MB and one["quant"]["digest"] == r["quant"]["digest"]
     assert one["ppl"] == pytest.approx(r["ppl"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_awq_calibrates_with_each_rank_holding_its_rows(large_checkpoint, capped_groups, tmp_path):
+    """AWQ int4 under the same cap: calibration runs whole forward passes and reads whole weights, yet under
+    ``fsdp`` × 2 each rank holds its rows of the float weights (one layer gathered at a time, one block whole while
+    it is quantized), so it fits; one process, which holds the float model while it calibrates, is killed. (Before,
+    every rank loaded the float model whole to calibrate it.)"""
+    text, env, weights_mb = _text_env_weights(large_checkpoint, tmp_path)
+    assert weights_mb + 400 > CAP_MB  # the float model and the interpreter alone would not fit
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text(WIKITEXT.read_text(encoding="utf-8")[:4000], encoding="utf-8")
+    awq = ["quant=awq", "quant.name=int4", "quant.group_size=64", f"quant.calibration.path={calibration}"]
+    awq += ["quant.calibration.tokens=128", "quant.calibration.seq_len=64", "quant.calibration.grid=2"]
+    r = _fsdp_two_ranks(large_checkpoint, text, tmp_path / "awq", env, capped_groups(2), *awq, timeout=480)
+    assert r["quant"]["calibration"]["world_size"] == 2 and r["quant"]["consistency"]["checked"]
+    assert r["quant"]["quantized_modules"] == SHAPE["num_hidden_layers"] * 7
+
+    (alone,) = capped_groups(1)
+    cmd = [*_in_group(str(alone)), sys.executable, *_args(large_checkpoint, text, tmp_path / "one", *awq)]
+    proc = run(cmd, 180, cwd=tmp_path, env=env)
+    assert proc.returncode == -9 and _oom_kills(alone) >= 1, (proc.returncode, proc.stderr[-2000:])

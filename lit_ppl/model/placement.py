@@ -31,6 +31,7 @@ from lit_ppl.errors import LitPplError
 from lit_ppl.model.checkpoint import key_problem
 from lit_ppl.model.scorer import TokenScorer
 from lit_ppl.model.spec import ModelSpec
+from lit_ppl.parallel.float_rows import FloatRows
 from lit_ppl.parallel.layout import Layout
 from lit_ppl.parallel.sharding import (
     decoder_blocks,
@@ -71,13 +72,18 @@ class Quantizes(Protocol):
         stream: Any = None,
         release: Any = None,
         device: Any = None,
+        rows: Any = None,
     ) -> Any:
         """Quantize ``lm`` (this rank's tensor-parallel slices under ``tp``) in place; a report with
         ``quantized_params``. ``stream(arrived)`` loads the weights onto ``device``, calling ``arrived(name)`` as each
-        is in place, to be quantized then and its layer's name handed to ``release``."""
+        is in place, to be quantized then and its layer's name handed to ``release``; ``rows``: the
+        :class:`~lit_ppl.parallel.float_rows.FloatRows` of :meth:`held_by_rows`, each layer released once quantized."""
 
     def layers(self, lm: nn.Module, device: Any) -> set[str]:
         """The modules its rules quantize, known before any weight is read."""
+
+    def held_by_rows(self, lm: nn.Module, device: Any) -> list[str]:
+        """The layers whose float weights FSDP's ranks hold by rows while it calibrates (none if it does not)."""
 
 
 @dataclass
@@ -135,6 +141,9 @@ def place(
     # keeps its rows, so no rank holds the float model.
     as_read = quantizer is not None and quantizer.streams and where.dp_mesh is not None and tp is None
     later = _arriving(lm) if as_read and parts is not None else []
+    # FSDP alone, each rank reading its own part: a calibrated method's float weights held by rows while it runs.
+    held = where.dp_mesh is not None and tp is None and parts is not None and quantizer is not None
+    rows = FloatRows(lm, quantizer.held_by_rows(lm, where.device), where.mesh["dp_shard"]) if held else None
     float_table = quantizer is None or (bool(later) and not quantizer.layers(lm, where.device) & _tables(lm))
     if by_rows and float_table and (parts is not None or spec.is_builtin):  # a reader's broadcast fills whole
         lockstep = _hold_by_rows(lm, where, block_bytes)
@@ -154,11 +163,15 @@ def place(
             read = _load(spec, lm, dtype, expected, splits, tp, quantizer, where.broadcast)
         if not later:
             _check_loaded(spec, lm)
-    if quantizer is not None and report is None:
+    group = where.mesh["dp_shard"].get_group() if where.dp_mesh is not None else None
+    if quantizer is not None and report is None and rows is not None and rows.names:
+        release = lambda name: shard_quantized_rows(lm, [f"{name}.weight"], group)  # noqa: E731
+        report = quantizer.quantize(lm, tp, splits, read, release=release, rows=rows)
+    elif quantizer is not None and report is None:
         report = quantizer.quantize(lm, tp, splits, read)
     if report is not None and where.dp_mesh is not None:
         # FSDP2 cannot hold torchao's tensors: their rows are sharded by hand, the rest by fully_shard.
-        shard_quantized_rows(lm, report.quantized_params, where.mesh["dp_shard"].get_group())
+        shard_quantized_rows(lm, report.quantized_params, group)
         if by_rows and lockstep is None and (lockstep := _hold_by_rows(lm, where, block_bytes)) is not None:
             scorer = TokenScorer(lm, where.chunk_size, tp, lockstep)  # a table left in float, by rows
         fully_shard_blocks(scorer, where.dp_mesh, {p for p in lm.parameters() if is_quantized(p)})

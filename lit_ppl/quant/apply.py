@@ -52,6 +52,7 @@ def quantize_model(
     stream: Stream | None = None,
     release: Callable[[str], None] | None = None,
     device: Any = None,
+    rows: Any = None,
 ) -> QuantReport:
     """Apply the typed ``quant`` config ``cfg`` to ``lm`` in place and return the report.
 
@@ -60,7 +61,9 @@ def quantize_model(
     ``stream``: the weights are not loaded yet (round to nearest only): ``stream(arrived)`` loads them one at a time,
     calling ``arrived(parameter name)`` as each is in place; each is quantized then, hashed whole, and its layer's
     name handed to ``release`` (which may keep only this rank's rows of it): no rank holds two of them in float;
-    ``device``: where they will be (the int4 kernel is chosen for it).
+    ``device``: where they will be (the int4 kernel is chosen for it). ``rows``: a
+    :class:`lit_ppl.parallel.float_rows.FloatRows` holding calibrated layers' float weights by rows: each decoder
+    block's are made whole, quantized, hashed and handed to ``release`` before the next block's.
     """
     report = QuantReport(name=cfg.name, source=cfg.source)
     report.weight_bytes_before = sum(tensor_bytes(p) for _, p in lm.named_parameters())
@@ -83,8 +86,8 @@ def quantize_model(
         # torchao's tensors run in F.linear, not in the grouped-matmul kernels of transformers' default experts.
         lm.set_experts_implementation("eager")
         report.backend["experts"] = "transformers' eager experts loop (F.linear per expert)"
-    _calibrate(lm, todo, calibration, report, (rank, size, broadcast), cfg, tp)
     known = _Known()
+    _calibrate(lm, todo, calibration, report, (rank, size, broadcast), cfg, tp, (rows, release, known))
     if stream is None:
         _round_to_nearest(lm, todo, experts, report, skip=broadcast and rank != 0)
     else:
@@ -143,11 +146,13 @@ def _calibrate(
     where: tuple[int, int, bool],
     cfg: QuantConfig,
     tp: TpView | None = None,
+    held: tuple[Any, Callable[[str], None] | None, _Known] = (None, None, None),
 ) -> None:
     """The calibrated layers, on the float model before any round-to-nearest layer changes their inputs (torchao's
     order: every observer sees float activations): each method's statistics first, then each method's quantization
     in the table's order (AWQ before GPTQ, whose ``quant.gptq.sequential`` passes then see AWQ's layers). ``where``:
-    ``(rank, world size, broadcast)``; under ``source=rank0`` rank 0 alone calibrates on the whole set."""
+    ``(rank, world size, broadcast)``; under ``source=rank0`` rank 0 alone calibrates on the whole set. ``held``:
+    ``(rows, release, known)`` as :func:`quantize_model` takes them (``rows`` ``None``: every layer is whole)."""
     methods = _by_method(todo, calibrated=True)
     if not methods:
         return
@@ -164,7 +169,9 @@ def _calibrate(
     t0 = time.perf_counter()
     stats = {method: method.observe(lm, layers, calibration, at, cfg) for method, layers in methods.items()}
     facts: dict[str, dict[str, Any]] = {}
-    for method, layers in methods.items():
+    if held[0] is not None:
+        facts = _by_blocks(lm, methods, stats, (calibration, at, cfg), held)
+    for method, layers in methods.items() if held[0] is None else ():
         facts.update(method.quantize(lm, layers, stats[method], calibration, at, cfg))
     for name, more in facts.items():
         report.modules[name].update(more)
@@ -173,6 +180,45 @@ def _calibrate(
         info |= method.info(cfg)
     info |= {"method": "+".join(m.name for m in methods), "seconds": time.perf_counter() - t0}
     report.calibration = info
+
+
+def _by_blocks(
+    lm: nn.Module,
+    methods: dict[Method, dict[str, Choice]],
+    stats: dict[Method, Any],
+    run: tuple[Any, Where, QuantConfig],
+    held: tuple[Any, Callable[[str], None] | None, _Known],
+) -> dict[str, dict[str, Any]]:
+    """Each method's quantization a decoder block at a time (``run``: calibration, place, config): the block's layers
+    held by rows made whole, quantized by each method in the table's order, hashed whole and released (cut to this
+    rank's rows) before the next block's, so a rank holds one block's float weights whole. The same weights as
+    :func:`_calibrate`'s method-by-method order: a sequential GPTQ pass stops after its block, whose earlier blocks
+    hold every method's layers either way."""
+    from lit_ppl.quant.calibrated.gptq import blocks
+
+    rows, release, known = held
+    facts: dict[str, dict[str, Any]] = {}
+    for _, names in blocks(lm, [n for layers in methods.values() for n in layers]):
+        mine = [n for n in names if n in rows.handles]
+        for name in mine:
+            rows.whole(name)
+        for method, layers in methods.items():
+            part = {n: c for n, c in layers.items() if n in names}
+            st = stats[method]
+            if part:
+                facts.update(method.quantize(lm, part, st and {n: st[n] for n in part}, *run))
+        for name in mine:
+            _record(known, f"{name}.weight", name, lm.get_submodule(name).weight)
+            if release is not None:
+                release(name)
+    return facts
+
+
+def _record(known: _Known, key: str, layer: str, weight: Any) -> None:
+    """What is kept of a quantized weight while it is whole: its inner tensors' and values' digests, its bytes."""
+    known.inner[key] = digest(weight)
+    known.values[key] = value_digest(weight) or known.inner[key]  # whole_digest's fallback, taken whole
+    known.bytes[layer] = tensor_bytes(weight)
 
 
 class _Chosen:
@@ -253,10 +299,7 @@ def _as_read(
             return
         _apply(lm, todo[name], {name}, experts)
         weight = lm.get_parameter(name) if name in experts else lm.get_submodule(name).weight
-        key = name if name in experts else f"{name}.weight"
-        known.inner[key] = digest(weight)
-        known.values[key] = value_digest(weight) or known.inner[key]  # whole_digest's fallback, taken whole
-        known.bytes[name] = tensor_bytes(weight)
+        _record(known, name if name in experts else f"{name}.weight", name, weight)
         if release is not None and name not in experts:
             release(name)
 

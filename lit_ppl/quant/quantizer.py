@@ -54,6 +54,20 @@ class Quantizer:
         todo, report, _ = assign(lm, rules_from_cfg(cfg), cfg.backend, cfg.group_fallback, device)
         return set(todo) | {n for n, entry in report.items() if entry.get("tied_to") in todo}
 
+    def held_by_rows(self, lm: nn.Module, device: Any) -> list[str]:
+        """The decoder ``nn.Linear`` layers its calibrated methods quantize (``quant=auto`` aside: it measures whole
+        models): under FSDP their float weights are held by rows while it calibrates
+        (:mod:`lit_ppl.parallel.float_rows`)."""
+        from lit_ppl.quant.calibrated.stream import block_of
+
+        if not self.calibrates or self.config.name == "auto":
+            return []
+        cfg, modules = self.config, dict(lm.named_modules())
+        todo, _, _ = assign(lm, rules_from_cfg(cfg), cfg.backend, cfg.group_fallback, device)
+        return sorted(
+            n for n, c in todo.items() if c.method.calibrated and block_of(n) and type(modules.get(n)) is nn.Linear
+        )
+
     def read(self, full: dict[str, Any]) -> Any:
         """The reader's part (rank 0, on the whole checkpoint as read), handed to every rank's :meth:`quantize`."""
         return None
@@ -67,13 +81,15 @@ class Quantizer:
         stream: Any = None,
         release: Any = None,
         device: Any = None,
+        rows: Any = None,
     ) -> QuantReport:
         """Quantize ``lm`` in place (this rank's tensor-parallel slices under ``tp``); the report. ``stream``,
-        ``release`` and ``device``: as :func:`lit_ppl.quant.apply.quantize_model` takes them, when :attr:`streams`."""
+        ``release``, ``device`` and ``rows``: as :func:`lit_ppl.quant.apply.quantize_model` takes them (``stream``
+        when :attr:`streams`, ``rows`` for :meth:`held_by_rows`)."""
         from lit_ppl.quant.calibrated.split import TpView
 
         view = TpView(tp, splits or {}) if tp is not None else None
-        return quantize_model(lm, self.config, self.calibration, view, stream, release, device)
+        return quantize_model(lm, self.config, self.calibration, view, stream, release, device, rows)
 
     def __call__(self, lm: nn.Module) -> QuantReport:
         return self.quantize(lm)

@@ -115,5 +115,9 @@ class StoredInt8(Quantizer):
     def read(self, full: dict[str, Any]) -> Any:
         return unpack_int8(self.model.path, full)
 
+    def held_by_rows(self, lm: nn.Module, device: Any) -> list[str]:
+        """None: it restores stored codes, it does not calibrate."""
+        return []
+
     def quantize(self, lm: nn.Module, tp: Any = None, splits: Any = None, read: Any = None) -> QuantReport:
         return restore_int8(lm, self.model.path, read or {}, splits or {}, tp, self.stored)

@@ -148,6 +148,16 @@ def ordered_sum(rows: torch.Tensor, where: Where) -> torch.Tensor:
     return total
 
 
+def _unless_idle(hook: Callable[[nn.Module, tuple], None], real_box: list) -> Callable[[nn.Module, tuple], None]:
+    """``hook``, skipped in a rank's idle forward (``real_box[0]`` is ``None``: see :func:`_run`)."""
+
+    def observed(module: nn.Module, args: tuple) -> None:
+        if real_box[0] is not None:
+            hook(module, args)
+
+    return observed
+
+
 class Stop(Exception):
     """Raised after the last observed block: the rest of the forward pass would observe nothing."""
 
@@ -169,22 +179,31 @@ def _run(
     lm: nn.Module, calibration: Calibration, batches: list[list[int]], real_box: list[torch.Tensor], sums: Sums
 ) -> None:
     """Stream ``batches`` through the float model; hooks read ``real_box[0]``, the mask of real positions. Every
-    data-parallel rank takes the same number of steps (a rank past its last batch adds nothing): each ends with
-    :meth:`Sums.step`."""
+    data-parallel rank takes the same number of steps, each a forward (a rank past its last batch runs the first
+    global batch, its hooks observing nothing: it adds nothing, and the layers' gathers of weights held by rows, as
+    :mod:`lit_ppl.parallel.float_rows` holds them, still have every rank) ending with :meth:`Sums.step`."""
     decoder, head = decoder_and_head(lm)
     device = next(lm.parameters()).device
     with torch.no_grad(), whole_matmuls(lm, sums.where.tp):
         for k in range(calibration.steps(sums.where.size)):
             if k < len(batches):
                 _forward(decoder, head, calibration, batches[k], device, real_box)
+            elif sums.where.size > 1:
+                _forward(decoder, head, calibration, calibration.batches(0, 1)[0], device, real_box, idle=True)
             sums.step()
 
 
 def _forward(
-    decoder: nn.Module, head: nn.Module, calibration: Calibration, ids: list[int], device: torch.device, box: list
+    decoder: nn.Module,
+    head: nn.Module,
+    calibration: Calibration,
+    ids: list[int],
+    device: torch.device,
+    box: list,
+    idle: bool = False,
 ) -> None:
     input_ids, real = calibration.batch(ids, device)
-    box[0] = real
+    box[0] = None if idle else real  # None: the hooks observe nothing (see stream)
     try:
         out = decoder(input_ids=input_ids, use_cache=False)
     except Stop:
@@ -206,7 +225,7 @@ def stream(
 ) -> None:
     """One pass of ``batches`` with the pre-hook ``make(name)`` on every module of ``modules``, their values summed
     in ``sums``; ``stop``: a module after whose forward each batch's pass ends (nothing after it is observed)."""
-    handles = [mod.register_forward_pre_hook(make(name)) for name, mod in modules.items()]
+    handles = [mod.register_forward_pre_hook(_unless_idle(make(name), real_box)) for name, mod in modules.items()]
     if stop is not None:
         handles.append(stop.register_forward_hook(_stop_hook))
     head = lm.get_output_embeddings()
