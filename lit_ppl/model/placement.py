@@ -211,7 +211,8 @@ def place_head(head: nn.Module, where: Placement, candidate: nn.Module) -> tuple
     if by_rows and (table := table_by_rows(head, block_bytes)) is not None:
         for block in table.blocks:
             fully_shard(block, mesh=where.dp_mesh)
-        return RowsHead(table), where.mesh["dp_shard"].get_group()
+        # A root above the blocks: FSDP2 keeps a root's parameters gathered after its forward, a child's it frees.
+        return fully_shard(RowsHead(table), mesh=where.dp_mesh), where.mesh["dp_shard"].get_group()
     fully_shard(head, mesh=where.dp_mesh, reshard_after_forward=False)  # gathered once per batch, then resharded
     return head, None
 
