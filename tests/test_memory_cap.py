@@ -5,7 +5,8 @@ A random-init Llama built from a config whose weights dwarf the interpreter (hid
 its own cgroup v1 memory group capped at :data:`CAP_MB`. Under ``fsdp`` × 2 each rank reads, holds and gathers
 only its share: the run succeeds. One process needs the whole model beside the interpreter: the kernel's OOM
 killer stops it, which the group's ``oom_kill`` count records. In ``int8`` both fit: each decoder weight is
-quantized as it is read, so neither holds the float model. Needs root and a writable cgroup v1 memory hierarchy
+quantized as it is read, so neither holds the float model. In AWQ int4 the fsdp ranks fit too: each holds its rows
+of the float weights while it calibrates. Needs root and a writable cgroup v1 memory hierarchy
 (skipped otherwise).
 """
 
