@@ -14,6 +14,7 @@ from conftest import STORIES, TINYSTORIES, require_shared
 
 from lit_ppl.data.datamodule import PerplexityDataModule, WindowCollator
 from lit_ppl.data.sources import DataSpec
+from lit_ppl.errors import LitPplError
 from lit_ppl.evaluation import noise_floor
 from lit_ppl.evaluation.compare import CompareModule
 from lit_ppl.metrics import histogram
@@ -163,6 +164,40 @@ def test_token_stats_do_not_depend_on_the_chunk_size():
     lq, lp = head(h).double().log_softmax(-1), head_b(hb).double().log_softmax(-1)
     ref = torch.nn.functional.kl_div(lq, lp, log_target=True, reduction="none").sum(-1)
     assert torch.allclose(full["kld"], ref, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_statistics_streamed_over_two_heads_blocks_equal_the_whole_rows(dtype):
+    g = torch.Generator().manual_seed(3)
+    vocab, n = 97, 41
+    w, v = torch.randn(vocab, 16, generator=g, dtype=dtype), torch.randn(vocab, 12, generator=g, dtype=dtype)
+    w[60:] *= 6  # the running maxima rise in later blocks: the sums are rescaled
+    v[50:52] = v[90:92] = 3 * v[50:52]  # tied largest logits: the first column must win, as argmax's
+    h, hb = torch.randn(n, 16, generator=g, dtype=dtype), torch.randn(n, 12, generator=g, dtype=dtype)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    # Misaligned blocks, one of a single column: every piece where one block of each overlaps.
+    cuts = ([0, 30, 31, 64], [0, 11, 50, 90])
+    blocks = tuple(
+        [(a, lambda x, a=a, b=b, m=m: x @ m[a:b].T) for a, b in zip(c, [*c[1:], vocab], strict=True)]
+        for c, m in zip(cuts, (w, v), strict=True)
+    )
+    full = token_stats(h, hb, targets, lambda x: x @ w.T, lambda x: x @ v.T, chunk_size=n)
+    got = token_stats(h, hb, targets, None, None, chunk_size=9, blocks=blocks)
+    tol = 1e-9 if dtype == torch.float64 else 1e-5  # a block's float32 matmul rounds apart from the whole one's
+    for key, value in full.items():
+        assert torch.allclose(got[key].double(), value.double(), rtol=tol, atol=tol * 1e-3), key
+    assert torch.equal(got["same_top"], full["same_top"]) and not got["same_top"].all()
+    # Against itself: KL exactly 0, both ways; one head's blocks given for both (each called once for both sides).
+    same = token_stats(h, h, targets, None, None, chunk_size=9, blocks=(blocks[0], list(blocks[0])))
+    assert not same["kld"].any() and not same["kld_rev"].any() and same["same_top"].all()
+    other = torch.randn(n, 16, generator=g, dtype=dtype)
+    shared = token_stats(h, other, targets, None, None, chunk_size=9, blocks=(blocks[0], blocks[0]))
+    apart = token_stats(h, other, targets, None, None, chunk_size=9, blocks=(blocks[0], list(blocks[0])))
+    for key, value in apart.items():
+        assert torch.allclose(shared[key].double(), value.double(), rtol=tol, atol=tol * 1e-3), key
+    short = (blocks[0], blocks[1][:-1])
+    with pytest.raises(LitPplError, match="vocabulary"):
+        token_stats(h, hb, targets, None, None, chunk_size=9, blocks=short)
 
 
 def test_each_head_runs_inside_its_own_models_forward():

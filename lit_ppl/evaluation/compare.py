@@ -24,8 +24,9 @@ from lit_ppl.evaluation.noise_floor import Reference, measure, not_measured, ref
 from lit_ppl.evaluation.reference import store_keys
 from lit_ppl.evaluation.saved_reference import SavedReference, StoredHead, vocab_rows
 from lit_ppl.metrics.kl import KLDivergence, token_stats
+from lit_ppl.metrics.kl_blocks import widest
 from lit_ppl.model.placement import place, place_head
-from lit_ppl.model.scorer import CHECK_TOLERANCE, CHECK_TOLERANCE_16BIT, TokenScorer, check_scorer
+from lit_ppl.model.scorer import CHECK_TOLERANCE, CHECK_TOLERANCE_16BIT, TokenScorer, check_scorer, logit_transform
 from lit_ppl.model.spec import ModelSpec
 from lit_ppl.quant.quantizer import Quantizer
 from lit_ppl.runtime.memory import map_large_blocks
@@ -63,22 +64,31 @@ class KLModule(PerplexityModule):
         hidden_base: Tensor,
         head_base: Any,
         lockstep: Any = None,
+        blocks_base: Any = None,
     ) -> Any:
         """:func:`token_stats` of the candidate (``scorer``'s head) against a reference's hidden states and head
-        (``lockstep``: the reference's, when its head is held by rows and the candidate's is not)."""
+        (``lockstep``: the reference's, when its head is held by rows and the candidate's is not). Where both heads
+        are held by blocks of rows (``blocks_base``: the reference's), the statistics stream over them, each chunk
+        as many positions as whole rows of ``chunk_size`` would cost: every block is gathered once a chunk."""
         group = scorer.tp.group if scorer.tp is not None else None
         start = int(getattr(scorer.head_module, "vocab_start", 0))
+        chunk, blocks = self.chunk_size, None
+        if scorer.head_blocks is not None and blocks_base is not None:
+            blocks = (scorer.head_blocks, blocks_base)
+            vocab = scorer.head_module.weight.shape[0]
+            chunk = max(chunk, chunk * vocab // max(widest(b, vocab) for b in blocks))
         return token_stats(
             hidden,
             hidden_base,
             targets,
             scorer.head,
             head_base,
-            self.chunk_size,
+            chunk,
             self._base_context,
             group,
             start,
             scorer.lockstep or lockstep,
+            blocks,
         )
 
     def _base_context(self) -> contextlib.AbstractContextManager:
@@ -152,7 +162,8 @@ class CompareModule(KLModule):
     def reference_stats(self, batch: dict[str, Any], hidden: Tensor, scorer: TokenScorer) -> dict[str, Tensor]:
         # Inside the candidate's forward; the reference's forward nests in it, so both heads are gathered.
         def compare(hidden_base: Tensor, reference: TokenScorer) -> dict[str, Tensor]:
-            return self.stats(hidden, batch["targets"], scorer, hidden_base, reference.head, reference.lockstep)
+            head, lockstep, blocks = reference.head, reference.lockstep, reference.head_blocks
+            return self.stats(hidden, batch["targets"], scorer, hidden_base, head, lockstep, blocks)
 
         ids, index, targets = batch["input_ids"], batch["score_index"], batch["targets"]
         return self.reference(ids, index, targets, then=compare, context=self._base_context)
@@ -207,9 +218,9 @@ class SavedCompareModule(KLModule):
         super().configure_model()
         assert self.saved is not None and self.scorer is not None
         rows = vocab_rows(self.scorer)
-        own = self.scorer.head_module if rows is None and self.placement.dp_mesh is None else None
-        head = self.saved.head(rows, own)
-        head.linear, self.stored_lockstep = place_head(head.linear, self.placement, self.scorer.lm)
+        head = self.saved.head(rows, self.scorer.head_module if rows is None else None)
+        if head.linear is not self.scorer.head_module:  # the model's own head is placed already
+            head.linear, self.stored_lockstep = place_head(head.linear, self.placement, self.scorer.lm)
         self.stored_head = head
 
     def reference_stats(self, batch: dict[str, Any], hidden: Tensor, scorer: TokenScorer) -> dict[str, Tensor]:
@@ -221,7 +232,10 @@ class SavedCompareModule(KLModule):
             head.linear.unshard()
         try:
             base = hidden_base.to(head.weight.dtype)
-            stats = self.stats(hidden, batch["targets"], scorer, base, head, self.stored_lockstep)
+            blocks = head.blocks()
+            if head.linear is scorer.head_module and (head.scale, head.cap) == logit_transform(scorer.lm.config):
+                blocks = scorer.head_blocks  # the model's own blocks: each gathered once for both sides
+            stats = self.stats(hidden, batch["targets"], scorer, base, head, self.stored_lockstep, blocks)
         finally:
             if sharded:
                 head.linear.reshard()
@@ -234,7 +248,7 @@ class SavedCompareModule(KLModule):
         assert self.saved is not None
         manifest = self.saved.manifest
         source = {k: manifest.get(k) for k in ("model", "dtype", "quant")}
-        shared = self.stored_head is not None and self.stored_head.weight is self.scorer.head_module.weight
+        shared = self.stored_head is not None and self.stored_head.linear is self.scorer.head_module
         source = {"store": self.store_dir, **source, "head": "the model's own" if shared else "stored"}
         return {**super().result_fields(), "reference_store": source}
 

@@ -115,15 +115,16 @@ def file_digest(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def head_digest(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+def head_digest(weight: torch.Tensor, bias: torch.Tensor | None, rows: Iterable[torch.Tensor] = ()) -> str:
     """SHA-256 of a head's weight and bias as computed with (dtype, shape, bytes): a comparison whose model holds a
-    head of the same digest uses it instead of loading the stored copy."""
+    head of the same digest uses it instead of loading the stored copy. ``rows``: the weight's consecutive blocks of
+    rows, hashed one at a time in place of ``weight``'s values (``weight`` then gives only the dtype and shape)."""
     h = hashlib.sha256()
-    for t in (weight, bias):
+    for t, parts in ((weight, rows), (bias, ())):
         if t is not None:
-            t = t.detach().contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.cpu().view(torch.uint8).numpy())
+            for part in parts or (t,):
+                h.update(part.detach().contiguous().cpu().view(torch.uint8).numpy())
     return h.hexdigest()
 
 

@@ -25,25 +25,31 @@ from lit_ppl.evaluation.reference import (
     store_fields,
 )
 from lit_ppl.evaluation.token_arrays import row_digest, window_spans
-from lit_ppl.model.scorer import TokenScorer, transform
+from lit_ppl.model.scorer import TokenScorer, blocks_of, transform
+from lit_ppl.parallel.vocab_rows import RowsHead
 
 
 class StoredHead(nn.Module):
     """A saved output head: ``transform(linear(hidden))``, ``linear`` the stored ``weight`` and ``bias`` (this rank's
     vocabulary slice under TP; under FSDP sharded, or held by blocks of rows, by
-    :func:`lit_ppl.model.placement.place_head`)."""
+    :func:`lit_ppl.model.placement.place_head`), or the model's own head where its weights are the stored ones."""
 
-    def __init__(self, saved: dict[str, Any], rows: slice | None = None) -> None:
+    def __init__(self, linear: nn.Module, scale: float | None, cap: float | None) -> None:
         super().__init__()
+        self.linear, self.scale, self.cap = linear, scale, cap
+
+    @classmethod
+    def of(cls, saved: dict[str, Any], rows: slice | None = None) -> StoredHead:
+        """The head ``head.pt`` holds (``rows``: only those vocabulary rows)."""
         weight, bias = saved["weight"], saved.get("bias")
         if rows is not None:
             weight, bias = weight[rows], None if bias is None else bias[rows]
-        keep = lambda t: t if isinstance(t, nn.Parameter) else nn.Parameter(t.contiguous(), requires_grad=False)  # noqa: E731
-        self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-        self.linear.weight = keep(weight)  # a model's own head is shared, not copied
+        keep = lambda t: nn.Parameter(t.contiguous(), requires_grad=False)  # noqa: E731
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        linear.weight = keep(weight)
         if bias is not None:
-            self.linear.bias = keep(bias)
-        self.scale, self.cap = saved.get("scale"), saved.get("softcap")
+            linear.bias = keep(bias)
+        return cls(linear, saved.get("scale"), saved.get("softcap"))
 
     @property
     def weight(self) -> torch.Tensor:
@@ -52,6 +58,10 @@ class StoredHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return transform(self.linear(hidden), self.scale, self.cap)
+
+    def blocks(self) -> list[tuple[int, Any]] | None:
+        """Where it is held by blocks of rows, those blocks' heads (:func:`lit_ppl.model.scorer.blocks_of`)."""
+        return blocks_of(self.linear, self.scale, self.cap) if isinstance(self.linear, RowsHead) else None
 
 
 class SavedReference:
@@ -109,9 +119,9 @@ class SavedReference:
         return array
 
     def head(self, rows: slice | None = None, own: nn.Module | None = None) -> StoredHead:
-        """The stored head (``rows``: this rank's vocabulary slice), or ``own`` — the model's whole, plain head —
-        where its weights are the stored ones (the same digest: a quantization that keeps the head, compared with
-        its own float model), which then is not held twice."""
+        """The stored head (``rows``: this rank's vocabulary slice), or ``own`` — the model's plain head, whole,
+        sharded by FSDP or held by rows — where its weights are the stored ones (the same digest: a quantization that
+        keeps the head, compared with its own float model), which then is not held twice."""
         try:  # weights_only: tensors and numbers, never code (the digest was checked when the store was opened)
             # Memory-mapped: its pages are read only where used, never when the model's own head serves.
             saved = torch.load(self.dir / HEAD, map_location="cpu", weights_only=True, mmap=True)
@@ -122,16 +132,22 @@ class SavedReference:
             raise self.error(f"{HEAD} holds no (vocabulary, {self.manifest['hidden']}) weight")
         m = self.manifest
         if own is not None and m.get("head_digest") and self.is_stored(own):
-            return StoredHead({"weight": own.weight, "bias": own.bias, "scale": m["scale"], "softcap": m["softcap"]})
-        return StoredHead(saved, rows)
+            return StoredHead(own, m["scale"], m["softcap"])
+        return StoredHead.of(saved, rows)
 
     def is_stored(self, head: nn.Module) -> bool:
-        """Whether ``head`` is a plain linear head whose weight and bias are the stored ones, bit for bit."""
+        """Whether ``head`` is a plain linear head whose weight and bias are the stored ones, bit for bit. Where it is
+        sharded (FSDP) its parts are gathered, a block of rows at a time where it is held by rows: collective."""
+        if isinstance(head, RowsHead):
+            weights = (b.weight for b in head.rows.blocks)
+            blocks = (w.full_tensor() if hasattr(w, "full_tensor") else w for w in weights)
+            return head_digest(head.weight, None, blocks) == self.manifest["head_digest"]
         weight, bias = getattr(head, "weight", None), getattr(head, "bias", None)
         plain = [t for t in (weight, bias) if t is not None]
-        if not plain or any(type(t.data) is not torch.Tensor for t in plain):  # torchao's or an FSDP shard
-            return False
-        return head_digest(weight, bias) == self.manifest["head_digest"]
+        if not plain or any(hasattr(t, "__tensor_flatten__") and not hasattr(t, "full_tensor") for t in plain):
+            return False  # torchao's: not the stored float values
+        whole = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in (weight, bias) if t is not None]
+        return head_digest(whole[0], whole[1] if bias is not None else None) == self.manifest["head_digest"]
 
     def read(self, batch: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, ...]:
         """``(hidden (n, d), nll (n,))`` of the batch's scored tokens, each window's rows checked against their digests

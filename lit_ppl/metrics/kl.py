@@ -25,6 +25,7 @@ from lit_ppl.errors import LitPplError
 from lit_ppl.metrics.chunks import agreed_chunks
 from lit_ppl.metrics.exact import SumStates
 from lit_ppl.metrics.histogram import LogBins, coarse, percentiles
+from lit_ppl.metrics.kl_blocks import Blocks, streamed_stats
 from lit_ppl.metrics.perplexity import mean_stderr
 
 SUMS = (
@@ -67,6 +68,7 @@ def token_stats(
     vocab_group: Any = None,
     vocab_start: int = 0,
     lockstep: Any = None,
+    blocks: tuple[Blocks, Blocks] | None = None,
 ) -> dict[str, Tensor]:
     """Per-token NLLs, KL(base ‖ candidate) both ways, Δp, top-1 agreement and the base's top-1 probability,
     ``chunk_size`` positions at a time.
@@ -82,6 +84,9 @@ def token_stats(
             rank's heads give the same slice, starting at ``vocab_start``): every statistic is then a sum, max or min
             over the slices (:func:`_vocab_parallel`), four all-reduces per chunk, never a full row of logits.
         lockstep: as for :func:`lit_ppl.model.nll.chunked_nll` (heads held by FSDP-sharded blocks of rows).
+        blocks: both heads as blocks of vocabulary columns (the candidate's, the reference's), in place of ``head``
+            and ``head_base``: the statistics stream over them (:func:`lit_ppl.metrics.kl_blocks.streamed_stats`),
+            one block of each model's logits at a time.
 
     Returns:
         ``nll``, ``nll_base``, ``kld`` (KL(base ‖ candidate)), ``kld_rev`` (KL(candidate ‖ base)), ``p_diff``,
@@ -90,6 +95,11 @@ def token_stats(
     parts: dict[str, list[Tensor]] = {k: [] for k in STATS}
     for k in range(agreed_chunks(targets.shape[0], chunk_size, lockstep, hidden.device)):
         start, end = k * chunk_size, (k + 1) * chunk_size
+        tgt = targets[start:end]
+        if blocks is not None:
+            stats = streamed_stats(hidden[start:end], hidden_base[start:end], tgt, *blocks, base_context)
+            _keep(parts, stats)
+            continue
         split = vocab_group is not None
         # Whole rows are log-softmaxed as they come: the float64 logits are never held beside their log-softmax.
         q = _float64(head(hidden[start:end]), not split)
@@ -97,17 +107,21 @@ def token_stats(
             p = _float64(head_base(hidden_base[start:end]), not split)
         if q.shape[-1] != p.shape[-1]:
             raise LitPplError(f"the reference's vocabulary has {p.shape[-1]} entries, the model's {q.shape[-1]}")
-        tgt = targets[start:end]
         stats = _vocab_parallel(q, p, tgt, vocab_group, vocab_start) if split else _full_vocab(q, p, tgt)
         del q, p  # else this chunk's rows stay alive while the next chunk's are computed
-        for k, v in zip(("nll", "nll_base", "kld", "kld_rev", "same_top", "top_p"), stats, strict=True):
-            parts[k].append(v)
-        parts["p_diff"].append(torch.exp(-stats[0]) - torch.exp(-stats[1]))
+        _keep(parts, stats)
     empty = {"same_top": torch.zeros(0, dtype=torch.bool, device=hidden.device)}
     return {
         k: torch.cat(v) if v else empty.get(k, torch.zeros(0, dtype=torch.float64, device=hidden.device))
         for k, v in parts.items()
     }
+
+
+def _keep(parts: dict[str, list[Tensor]], stats: tuple[Tensor, ...]) -> None:
+    """Add one chunk's ``(nll, nll_base, kld, kld_rev, same_top, top_p)`` and its Δp to ``parts``."""
+    for k, v in zip(("nll", "nll_base", "kld", "kld_rev", "same_top", "top_p"), stats, strict=True):
+        parts[k].append(v)
+    parts["p_diff"].append(torch.exp(-stats[0]) - torch.exp(-stats[1]))
 
 
 def _float64(logits: Tensor, log_softmax: bool) -> Tensor:

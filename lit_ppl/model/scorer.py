@@ -84,8 +84,12 @@ def head_blocks(model: nn.Module, head: nn.Module) -> list[tuple[int, Head]] | N
     scaling and soft-cap (element-wise: the same per block); ``None`` for any other head."""
     if not isinstance(head, RowsHead):
         return None
-    scale, cap = logit_transform(model.config)
-    return [(b.start, lambda h, b=b: transform(b(h, lookup=False), scale, cap)) for b in head.rows.blocks]
+    return blocks_of(head, *logit_transform(model.config))
+
+
+def blocks_of(head: RowsHead, scale: float | None, cap: float | None) -> list[tuple[int, Head]]:
+    """``head``'s blocks as ``(first row, that block's logits with the scaling and soft-cap)``."""
+    return [(b.start, lambda h, i=i: transform(head(h, i), scale, cap)) for i, b in enumerate(head.rows.blocks)]
 
 
 class TokenScorer(nn.Module):

@@ -99,10 +99,14 @@ class RowsEmbedding(Held):
 
 
 class RowsHead(Held):
-    """A bias-free ``nn.Linear`` output head whose weight is held by rows."""
+    """A bias-free ``nn.Linear`` output head whose weight is held by rows: ``forward(hidden, block)`` gives the logits
+    of one block's vocabulary entries (through this module's own forward, so that FSDP's hooks fire where it is a
+    root), or of all of them."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.rows.logits(hidden)
+    def forward(self, hidden: torch.Tensor, block: int | None = None) -> torch.Tensor:
+        if block is None:
+            return self.rows.logits(hidden)
+        return self.rows.blocks[block](hidden, lookup=False)
 
 
 def hold_by_rows(lm: nn.Module, block_bytes: int) -> list[VocabRows]:
