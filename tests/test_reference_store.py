@@ -224,6 +224,7 @@ def test_reverse_kld_and_buckets_under_fsdp_are_one_processes(saved, two_ranks, 
     ]
     runs = [two_ranks["det_live"], two_ranks["det_saved"]]
     assert [r["strategy"] for r in runs] == ["fsdp", "fsdp"] and "reference_store" in runs[1]
+    assert runs[1]["reference_store"]["head"] == "the model's own"  # its float head, sharded, has the stored digest
     for one, two in zip(single, (r["compare"] for r in runs), strict=True):
         assert two == one and two["noise_floor"]["kld_mean"] > 0  # the noise floor too, bit for bit
         assert (

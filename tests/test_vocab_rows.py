@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -108,9 +109,12 @@ def _scores(rank: int, model: str) -> tuple:
     ids = torch.randint(0, 512, (1, LENGTHS[rank] + 1), generator=torch.Generator().manual_seed(rank))
     index, targets = torch.arange(LENGTHS[rank]), ids[0, 1:]
 
-    def compare(hidden: torch.Tensor, run: object) -> dict:
+    def compare(hidden: torch.Tensor, run: object, reference: object = reference, streamed: bool = False) -> dict:
         def stats(hidden_base: torch.Tensor, base: object) -> dict:
-            return token_stats(hidden, hidden_base, targets, run.head, base.head, CHUNK, lockstep=run.lockstep)
+            blocks = (run.head_blocks, base.head_blocks) if streamed else None
+            return token_stats(
+                hidden, hidden_base, targets, run.head, base.head, CHUNK, lockstep=run.lockstep, blocks=blocks
+            )
 
         return reference(ids[:, :-1], index, targets, then=stats)
 
@@ -130,7 +134,9 @@ def _scores(rank: int, model: str) -> tuple:
         nll = scorer(ids[:, :-1], index, targets)
         kl = scorer(ids[:, :-1], index, targets, then=compare)
         nll8 = int8(ids[:, :-1], index, targets)
-    return held, nll, scorer.lockstep is not None, kl, full_head(scorer)["weight"], nll8
+        # Against the int8 model (its table stays float, held by rows), streamed over both tables' blocks.
+        kl8 = scorer(ids[:, :-1], index, targets, then=partial(compare, reference=int8, streamed=True))
+    return held, nll, scorer.lockstep is not None, kl, full_head(scorer)["weight"], nll8, kl8
 
 
 def test_fsdp_holds_the_vocabulary_by_rows_and_scores_as_one_process(tmp_path: Path):
@@ -149,7 +155,7 @@ def _check_against_one_process(model: Path, rank: int, scores: tuple) -> None:
     one, _ = place(ModelSpec(path=str(model)), single, torch.float32)
     table = one.lm.get_output_embeddings().weight
     one8, _ = place(ModelSpec(path=str(model)), single, torch.float32, _int8())
-    held, nll, lockstep, kl, saved, nll8 = scores
+    held, nll, lockstep, kl, saved, nll8, kl8 = scores
     assert held and lockstep
     # The same model as its own reference: the same logits on both sides (float64 statistics).
     assert torch.equal(kl["nll"], kl["nll_base"]) and not kl["kld"].any() and len(kl["kld"]) == LENGTHS[rank]
@@ -163,3 +169,15 @@ def _check_against_one_process(model: Path, rank: int, scores: tuple) -> None:
         expected8 = one8(ids[:, :-1], torch.arange(LENGTHS[rank]), ids[0, 1:])
     assert not torch.equal(expected8, expected)  # int8 moved the numbers: a quantized model was scored
     torch.testing.assert_close(nll8, expected8, rtol=1e-6, atol=1e-6)
+
+    def whole(hidden: torch.Tensor, run: object) -> dict:  # one process, whole rows
+        def stats(hidden_base: torch.Tensor, base: object) -> dict:
+            return token_stats(hidden, hidden_base, ids[0, 1:], run.head, base.head, CHUNK)
+
+        return one8(ids[:, :-1], torch.arange(LENGTHS[rank]), ids[0, 1:], then=stats)
+
+    with torch.no_grad():
+        expected_kl = one(ids[:, :-1], torch.arange(LENGTHS[rank]), ids[0, 1:], then=whole)
+    assert expected_kl["kld"].min() > 0 and torch.equal(kl8["same_top"], expected_kl["same_top"])
+    for key in ("nll", "nll_base", "kld", "kld_rev", "p_diff", "top_p"):
+        torch.testing.assert_close(kl8[key], expected_kl[key], rtol=1e-4, atol=1e-7)
