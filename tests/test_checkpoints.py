@@ -93,15 +93,57 @@ def test_gguf_file_not_in_the_directory(gguf_files):
         ModelSpec(path=str(path.parent), gguf_file="nope.gguf")
 
 
+def _as_bin(out, legacy: bool = False):
+    """stories260K as a PyTorch ``pytorch_model.bin`` (zip format, or the legacy one), with its config and tokenizer."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    out.mkdir()
+    for f in STORIES.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    torch.save(
+        load_file(STORIES / "model.safetensors"), out / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy
+    )
+    return out
+
+
 @pytest.fixture(scope="module")
-def two_ranks(gguf_files, int8_checkpoint, docs_file, tmp_path_factory) -> dict[str, dict]:
+def bin_checkpoint(tmp_path_factory):
+    require_shared()
+    return _as_bin(tmp_path_factory.mktemp("bin") / "stories260K-bin")
+
+
+def test_a_pytorch_bin_checkpoint_is_read_a_tensor_at_a_time(bin_checkpoint, tmp_path):
+    """A ``.bin`` in the zip format is memory-mapped and read per tensor (each rank its part under a split layout), as
+    a safetensors file; the legacy format cannot be mapped and goes through ``from_pretrained`` on one reader."""
+    import torch
+    from safetensors.torch import load_file
+
+    spec = ModelSpec(path=str(bin_checkpoint))
+    parts = dict(spec.tensor_parts(spec.build_empty(torch.float32)))
+    stored = load_file(STORIES / "model.safetensors")
+    assert set(parts) >= set(stored) and parts
+    for name, value in stored.items():
+        rows = (slice(1, 3),) if value.dim() else ()
+        assert torch.equal(parts[name][rows], value[rows]), name
+    legacy = ModelSpec(path=str(_as_bin(tmp_path / "legacy", legacy=True)))
+    assert legacy.tensor_parts(legacy.build_empty(torch.float32)) is None
+
+
+@pytest.fixture(scope="module")
+def two_ranks(gguf_files, int8_checkpoint, bin_checkpoint, docs_file, tmp_path_factory) -> dict[str, dict]:
     """The 2-rank runs of this file as the jobs of one ``-m`` sweep on one torchrun launch of 2 ranks (a launch's
-    cost is its interpreters' start-up): "gguf-fsdp" (Q4_K), "int8-fsdp", "int8-tp" (the torchao checkpoint)."""
+    cost is its interpreters' start-up): "gguf-fsdp" (Q4_K), "int8-fsdp", "int8-tp" (the torchao checkpoint),
+    "bin-fsdp" (a ``.bin`` checkpoint)."""
     gguf, int8 = f"model.path={gguf_files['Q4_K'][0]}", f"model.path={int8_checkpoint}"
     cases = {
         "gguf-fsdp": [gguf, "strategy=fsdp"],
         "int8-fsdp": [int8, "strategy=fsdp"],
         "int8-tp": [int8, "strategy=tp"],
+        "bin-fsdp": [f"model.path={bin_checkpoint}", "strategy=fsdp"],
     }
     return torchrun_cases(_args(docs_file, "trainer.devices=2"), cases, 2, tmp_path_factory.mktemp("two"))
 
@@ -114,6 +156,14 @@ def test_gguf_under_fsdp(gguf_files, two_ranks, docs_file, tmp_path):
     ref = evaluate_overrides(_args(docs_file, f"model.path={reference}"), tmp_path / "ref")
     assert (r["strategy"], r["world_size"]) == ("fsdp", 2) and r["tokens"] == ref["tokens"]
     assert r["ppl"] == pytest.approx(ref["ppl"], rel=1e-6) and r["quant"]["name"] == "gguf:Q4_K"
+
+
+@pytest.mark.slow
+def test_a_bin_checkpoint_under_fsdp_is_the_safetensors_one(two_ranks, docs_file, tmp_path):
+    r = two_ranks["bin-fsdp"]
+    ref = evaluate_overrides(_args(docs_file, f"model.path={STORIES}"), tmp_path / "ref")
+    assert (r["strategy"], r["world_size"]) == ("fsdp", 2) and r["tokens"] == ref["tokens"]
+    assert r["ppl"] == pytest.approx(ref["ppl"], rel=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -7,26 +7,79 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lit_ppl.errors import LitPplError, first_line
+
+if TYPE_CHECKING:
+    import torch
 
 
 def safetensors_files(path: str, root: Path) -> list[Path]:
     """The safetensors files ``from_pretrained`` would read in ``root``: ``model.safetensors``, or the shards its
     index names (empty: the checkpoint holds none)."""
-    index = root / "model.safetensors.index.json"
-    if (root / "model.safetensors").is_file():
-        return [root / "model.safetensors"]
+    return _weight_files(path, root, "model.safetensors", "a safetensors index")
+
+
+def bin_files(path: str, root: Path) -> list[Path]:
+    """The PyTorch files ``from_pretrained`` reads where ``root`` holds no safetensors: ``pytorch_model.bin``, or
+    the shards its index names."""
+    return _weight_files(path, root, "pytorch_model.bin", "an index of PyTorch weight files")
+
+
+def _weight_files(path: str, root: Path, single: str, what: str) -> list[Path]:
+    index = root / f"{single}.index.json"
+    if (root / single).is_file():
+        return [root / single]
     if not index.is_file():
         return []
     try:
         return sorted({root / name for name in json.loads(index.read_text())["weight_map"].values()})
     except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise LitPplError(f"model.path={path!r}: {index.name} is not a safetensors index ({err})") from None
+        raise LitPplError(f"model.path={path!r}: {index.name} is not {what} ({err})") from None
+
+
+class WeightFile:
+    """One weight file opened for reading its tensors' names, shapes and regions: a safetensors file (mapped by
+    safetensors) or a PyTorch zip file (``torch.load(mmap=True, weights_only=True)``: tensors and numbers, never code;
+    only the pages a read touches are read). Use as a context manager; a region read is a copy of its own."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self._handle: Any = None
+
+    def __enter__(self) -> WeightFile:
+        if self.file.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            self._handle = safe_open(self.file, "pt").__enter__()
+        else:
+            import torch
+
+            self._handle = torch.load(self.file, map_location="cpu", weights_only=True, mmap=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if hasattr(self._handle, "__exit__"):
+            self._handle.__exit__(*exc)
+        self._handle = None
+
+    def names(self) -> list[str]:
+        return list(self._handle.keys())
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        h = self._handle
+        return tuple(h[key].shape) if isinstance(h, dict) else tuple(h.get_slice(key).get_shape())
+
+    def read(self, key: str, region: tuple[slice, ...] = ()) -> torch.Tensor:
+        h = self._handle
+        if isinstance(h, dict):
+            return h[key][region].clone()
+        return h.get_slice(key)[region] if region else h.get_tensor(key)
 
 
 def checkpoint_root(location: str, hub_id: str, revision: str | None) -> Path | None:
@@ -111,7 +164,8 @@ def without_load_report() -> Iterator[None]:
 
 
 def tensor_sources(path: str, files: list[Path], lm: Any) -> dict[str, tuple[str, str]] | None:
-    """Where each of ``lm``'s tensors lies in the safetensors ``files``: model key → ``(file, checkpoint key)``.
+    """Where each of ``lm``'s tensors lies in the weight ``files`` (safetensors, or PyTorch zip files): model key →
+    ``(file, checkpoint key)``.
 
     ``lm`` is the model as built (on the meta device). The checkpoint's keys are renamed as ``from_pretrained``
     renames them — transformers' own conversion mapping (``get_model_conversion_mapping``: GPT-NeoX's
@@ -119,10 +173,10 @@ def tensor_sources(path: str, files: list[Path], lm: Any) -> dict[str, tuple[str
     parameter is read from whichever of its names the checkpoint holds, the tie's source first. ``None`` where
     ``from_pretrained`` does more than rename: a converter that fuses or splits tensors (mixture-of-experts
     layers), or a missing tensor it initialises itself; that model is read whole by one reader instead. A
-    checkpoint lacking a tensor, holding one the model does not use, or one of the wrong shape: one line.
+    checkpoint lacking a tensor, holding one the model does not use, or one of the wrong shape: one line. ``None``
+    too for a PyTorch file in the legacy format, which cannot be mapped.
     """
 
-    from safetensors import safe_open
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -132,12 +186,18 @@ def tensor_sources(path: str, files: list[Path], lm: Any) -> dict[str, tuple[str
     meta = lm.state_dict()
     found: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     for f in files:
-        with safe_open(str(f), "pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
-                name, converted = rename_source_key(key, renamings, converters, lm.base_model_prefix, meta)
-                if converted is not None:
-                    return None
-                found[name] = (str(f), key, tuple(handle.get_slice(key).get_shape()))
+        try:
+            with WeightFile(str(f)) as handle:
+                shapes = {key: handle.shape(key) for key in handle.names()}
+        except (RuntimeError, pickle.UnpicklingError):
+            if f.suffix == ".safetensors":
+                raise
+            return None  # a PyTorch file in the legacy (non-zip) format, which cannot be mapped
+        for key, shape in shapes.items():
+            name, converted = rename_source_key(key, renamings, converters, lm.base_model_prefix, meta)
+            if converted is not None:
+                return None
+            found[name] = (str(f), key, shape)
     buffers = {n for n, _ in lm.named_buffers()}
     unexpected = [n for n in found if n not in meta and not _ignored(lm, "unexpected", n, buffers)]
     sources, missing, mismatched = {}, [], []
@@ -158,7 +218,7 @@ def tensor_sources(path: str, files: list[Path], lm: Any) -> dict[str, tuple[str
     return sources
 
 
-class SafetensorsParts:
+class FileParts:
     """The tensors :func:`tensor_sources` found, by the model's names; iterate to read them lazily: (model name, a
     slice handle of the open file, indexed like a tensor). Tied names come once each."""
 
@@ -171,22 +231,18 @@ class SafetensorsParts:
 
 
 class _Slice:
-    """A tensor of a safetensors file, indexed like a tensor (a scalar by its empty index). The file is opened per
-    read: safetensors maps it, and the pages a read touches stay in this process's RSS until it closes — a rank's
+    """A tensor of a weight file, indexed like a tensor (a scalar by its empty index). The file is opened per
+    read: it is mapped, and the pages a read touches stay in this process's RSS until it closes — a rank's
     share of a 768 MiB embedding table, read block by block through one open file, would all stay resident."""
 
     def __init__(self, file: str, key: str) -> None:
-        from safetensors import safe_open
-
         self.file, self.key = file, key
-        with safe_open(file, "pt") as handle:
-            self.shape = tuple(handle.get_slice(key).get_shape())
+        with WeightFile(file) as handle:
+            self.shape = handle.shape(key)
 
     def __getitem__(self, region: tuple[slice, ...]) -> Any:
-        from safetensors import safe_open
-
-        with safe_open(self.file, "pt") as handle:
-            return handle.get_slice(self.key)[region] if self.shape else handle.get_tensor(self.key)
+        with WeightFile(self.file) as handle:
+            return handle.read(self.key, region if self.shape else ())
 
 
 def aliases(lm: Any, meta: dict[str, Any]) -> list[list[str]]:

@@ -14,7 +14,8 @@ from torch import nn
 
 from lit_ppl.errors import LitPplError, first_line
 from lit_ppl.model.checkpoint import (
-    SafetensorsParts,
+    FileParts,
+    bin_files,
     check_safetensors,
     checkpoint_root,
     hub_unreachable,
@@ -243,18 +244,19 @@ class ModelSpec:
 
     def tensor_parts(self, lm: nn.Module) -> Iterable[tuple[str, Any]] | None:
         """``lm``'s tensors (:meth:`build_empty`'s, before any split) read one at a time, each rank keeping its part
-        (:func:`~lit_ppl.parallel.sharding.load_own_parts`): a GGUF's or a safetensors checkpoint's; ``None`` where
-        rank 0 reads it by ``from_pretrained``: a quantized checkpoint, remote code, ``.bin`` files, fused experts."""
+        (:func:`~lit_ppl.parallel.sharding.load_own_parts`): a GGUF's, a safetensors or a PyTorch (``.bin``, zip format)
+        checkpoint's; ``None`` where rank 0 reads it by ``from_pretrained``: a quantized checkpoint, remote code,
+        legacy-format ``.bin`` files, fused experts."""
         if self.is_builtin or self.trust_remote_code:
             return None
         root = checkpoint_root(self.location, self.path, self.revision)
         if self.gguf_file is not None:
             return GgufParts(self.path, root / self.gguf_file, lm) if root is not None else None
-        files = safetensors_files(self.path, root) if root is not None else []
+        files = (safetensors_files(self.path, root) or bin_files(self.path, root)) if root is not None else []
         if self.stored_quantization() or not files:
             return None
         sources = tensor_sources(self.path, files, lm)
-        return SafetensorsParts(sources) if sources is not None else None
+        return FileParts(sources) if sources is not None else None
 
     def config(self) -> Any:
         """The model's transformers config (the built-in model's, or the checkpoint's), without its weights."""

@@ -197,7 +197,7 @@ def load_own_parts(
     device: torch.device | None = None,
 ) -> None:
     """Fill ``lm``'s (split, possibly FSDP-sharded) tensors from ``parts`` — ``(state-dict name, the whole tensor or a
-    lazy handle to it, indexed like a tensor)`` one at a time (:class:`lit_ppl.model.checkpoint.SafetensorsParts`,
+    lazy handle to it, indexed like a tensor)`` one at a time (:class:`lit_ppl.model.checkpoint.FileParts`,
     :class:`lit_ppl.model.gguf_weights.GgufParts`) — each rank keeping the part it holds (``splits`` as in
     :func:`load_from_rank0`), a block of rows at a time. No collective: a rank's host holds its share plus at most the
     one tensor in flight. A parameter still on meta (:func:`materialize`'s ``later``) is allocated whole on
