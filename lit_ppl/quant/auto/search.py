@@ -11,8 +11,8 @@
    knapsack solved by dynamic programming over the budget in 4,000 steps, each cost rounded up, so the
    prediction never exceeds the budget (:mod:`lit_ppl.quant.auto.budget`).
 4. The assignment measured as a whole on the calibration text; interactions make that differ from the sum, so
-   the knapsack's target moves — down while the measurement's bound exceeds the budget, up while it leaves slack —
-   and the knapsack runs again (at most :data:`ROUNDS` measurements); the cheapest assignment met is chosen.
+   while it exceeds the budget the search target shrinks below that assignment's prediction and the knapsack runs
+   again (at most :data:`ROUNDS` times).
 
 The choice becomes ``quant=policy`` rules, one per layer (written next to ``results.json`` as
 ``quant_policy.yaml``: :mod:`lit_ppl.quant.auto.policy`), applied by :func:`lit_ppl.quant.apply.quantize_model`
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -46,9 +45,7 @@ from lit_ppl.quant.schemes import NONE
 
 log = logging.getLogger(__name__)
 
-ROUNDS = 6  # whole-assignment measurements at most
-CLOSE = 0.98  # a round whose bound is this close to the budget ends the search: little left to gain
-GROW = 2.0  # a round with slack raises the target at most this many times (a bound near 0 says little)
+ROUNDS = 6  # whole-assignment measurements before giving up on a shrinking target
 SHRINK = 0.95  # the next target is this times budget / measured (below the plain ratio: interactions add up)
 CHUNK_BUDGET_MB = 256  # float64 statistics per chunk of positions, as eval.chunk_budget_mb
 
@@ -102,54 +99,24 @@ def _search(
     measured: Callable[[dict[str, str]], tuple[float, float]],
     schemes: list[str],
 ) -> tuple[dict[str, Option], list[dict[str, Any]]]:
-    """The cheapest assignment whose whole measurement meets the budget, and every round tried (the one chosen
-    marked ``chosen``).
-
-    The knapsack's target starts at the budget. A round over it lowers the target below that assignment's prediction;
-    a round within it with slack raises the target (the estimate errs either way: the measurement decides). Each next
-    target rescales by budget / bound, kept strictly between the highest target met and the lowest missed (their
-    midpoint when outside), until a round's bound is within :data:`CLOSE` of the budget or :data:`ROUNDS`
-    measurements are spent; an assignment chosen again is not measured again."""
-    rounds: list[dict[str, Any]] = []
-    target, met_at, missed_at = budget.limit, 0.0, math.inf
-    seen: dict[tuple[int, ...], tuple[bool, float, float]] = {}  # picks: met, bound, predicted
-    best: tuple[int, dict[str, Option], dict[str, Any]] | None = None
-    for _ in range(ROUNDS * 2):  # repeats cost no measurement; the measured ones are capped below
+    """The cheapest assignment whose whole measurement meets the budget, and every round tried."""
+    rounds, target, tried = [], budget.limit, set()
+    for _ in range(ROUNDS):
         picks = cheapest([[(o.bytes, o.cost(budget)) for o in unit] for unit in options], target)
-        if picks is None:  # nothing fits a target this small
+        if picks is None or tuple(picks) in tried:  # nothing fits a smaller target, or no other choice
             break
-        key = tuple(picks)
-        if key not in seen:
-            if len(rounds) == ROUNDS:
-                break
-            picked = {n: options[u][j] for u, (n, j) in enumerate(zip(layers, picks, strict=True))}
-            cost, bound = measured({n: o.kind for n, o in picked.items() if o.kind != "none"})
-            predicted = sum(o.cost(budget) for o in picked.values())
-            size = sum(o.bytes for o in picked.values())
-            shown = {"predicted": budget.shown(predicted), "measured": budget.shown(cost), "bound": budget.shown(bound)}
-            rounds.append({"target": budget.shown(target), **shown, "bytes": size})
-            seen[key] = (bound <= budget.limit, bound, predicted)
-            if seen[key][0] and (best is None or size < best[0]):
-                best = (size, picked, rounds[-1])
-        met, bound, predicted = seen[key]
-        if met:
-            met_at = max(met_at, target)
-            if bound >= CLOSE * budget.limit:
-                break
-            following = max(target, predicted) * min(GROW, budget.limit / max(bound, 1e-300))
-        else:
-            missed_at = min(missed_at, target)
-            # Below this assignment's own prediction, scaled by how far its bound overshot: the next round must
-            # choose another (a target that only shrinks from the budget may still admit the same one).
-            following = min(target, predicted) * SHRINK * budget.limit / bound
-        if not met_at < following < missed_at:
-            following = (met_at + missed_at) / 2
-        if following == target:
-            break
-        target = following
-    if best is not None:
-        best[2]["chosen"] = True
-        return best[1], rounds
+        tried.add(tuple(picks))
+        picked = {n: options[u][j] for u, (n, j) in enumerate(zip(layers, picks, strict=True))}
+        cost, bound = measured({n: o.kind for n, o in picked.items() if o.kind != "none"})
+        predicted = sum(o.cost(budget) for o in picked.values())
+        size = sum(o.bytes for o in picked.values())
+        shown = {"predicted": budget.shown(predicted), "measured": budget.shown(cost), "bound": budget.shown(bound)}
+        rounds.append({"target": budget.shown(target), **shown, "bytes": size})
+        if bound <= budget.limit:
+            return picked, rounds
+        # Below this assignment's own prediction, scaled by how far its bound overshot: the next round must
+        # choose another (a target that only shrinks from the budget may still admit the same one).
+        target = min(target, predicted) * SHRINK * budget.limit / bound
     # No round at all: costs rounded up to the budget's steps left no assignment within it (the floor is close).
     floor = sum(min(o.cost(budget) for o in unit) for unit in options)
     best, how = min(((r["bound"], "upper bound") for r in rounds), default=(budget.shown(floor), "predicted"))
@@ -264,17 +231,16 @@ def _facts(
         label = quantized[name][0].label if name in quantized else "none"
         entry = by_scheme.setdefault(label, {"layers": 0, "bytes": 0})
         entry["layers"], entry["bytes"] = entry["layers"] + 1, entry["bytes"] + option.bytes
-    final = next(r for r in rounds if r.get("chosen"))
     full = sum(packed_bytes(NONE, candidates.tensor(n)) for n in layers)
     uniform = {k: sum(next((o.bytes for o in u if o.kind == k), u[0].bytes) for u in options) for k in kinds}
     info = {
         "budget": {budget.metric: budget.value},
-        "predicted": final["predicted"] if table else None,  # nothing measured alone: nothing predicted
-        "bound": final["bound"],  # the calibration measurement's one-sided 95% upper bound
-        "measured_calibration": final["measured"],
+        "predicted": rounds[-1]["predicted"] if table else None,  # nothing measured alone: nothing predicted
+        "bound": rounds[-1]["bound"],  # the calibration measurement's one-sided 95% upper bound
+        "measured_calibration": rounds[-1]["measured"],
         "measured_evaluated": None,  # the evaluated text's, set with results.json when the run compares
-        "met": _met(budget, final, table),
-        "bytes": final["bytes"],
+        "met": _met(budget, rounds[-1], table),
+        "bytes": rounds[-1]["bytes"],
         "bytes_full_precision": full,
         "bytes_uniform": uniform,  # every layer the scheme takes; the rest in full precision
         "by_scheme": by_scheme,
