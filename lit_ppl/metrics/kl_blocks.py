@@ -70,7 +70,8 @@ def _pieces(
     hidden: Tensor, hidden_base: Tensor, blocks: Blocks, blocks_base: Blocks, base_context: Callable[[], Any]
 ) -> Iterator[tuple[int, Tensor, Tensor]]:
     """``(first column, candidate logits, reference logits)`` (float64) of each run of columns where one block of
-    each head overlaps; each block's logits computed once and dropped when passed."""
+    each head overlaps; each block's logits computed once and dropped when passed. ``blocks_base`` is ``blocks``: one
+    head for both sides, each block called once on both hidden states (outside ``base_context``)."""
     if blocks_base is blocks and hidden.dtype == hidden_base.dtype:  # one head: each block called once for both
         n = hidden.shape[0]
         both = torch.cat([hidden, hidden_base])

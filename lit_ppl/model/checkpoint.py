@@ -31,6 +31,11 @@ def bin_files(path: str, root: Path) -> list[Path]:
     return _weight_files(path, root, "pytorch_model.bin", "an index of PyTorch weight files")
 
 
+def weight_files(path: str, root: Path) -> list[Path]:
+    """The weight files ``from_pretrained`` reads in ``root``: its safetensors, else its PyTorch files."""
+    return safetensors_files(path, root) or bin_files(path, root)
+
+
 def _weight_files(path: str, root: Path, single: str, what: str) -> list[Path]:
     index = root / f"{single}.index.json"
     if (root / single).is_file():

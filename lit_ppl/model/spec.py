@@ -15,13 +15,12 @@ from torch import nn
 from lit_ppl.errors import LitPplError, first_line
 from lit_ppl.model.checkpoint import (
     FileParts,
-    bin_files,
     check_safetensors,
     checkpoint_root,
     hub_unreachable,
     key_problem,
-    safetensors_files,
     tensor_sources,
+    weight_files,
     without_load_report,
 )
 from lit_ppl.model.gguf_weights import GgufParts
@@ -244,15 +243,14 @@ class ModelSpec:
 
     def tensor_parts(self, lm: nn.Module) -> Iterable[tuple[str, Any]] | None:
         """``lm``'s tensors (:meth:`build_empty`'s, before any split) read one at a time, each rank keeping its part
-        (:func:`~lit_ppl.parallel.sharding.load_own_parts`): a GGUF's, a safetensors or a PyTorch (``.bin``, zip format)
-        checkpoint's; ``None`` where rank 0 reads it by ``from_pretrained``: a quantized checkpoint, remote code,
-        legacy-format ``.bin`` files, fused experts."""
+        (:func:`~lit_ppl.parallel.sharding.load_own_parts`): a GGUF's, safetensors' or zip-format ``.bin``'s; ``None``
+        where rank 0 reads it by ``from_pretrained``: quantized, remote code, legacy ``.bin``, fused experts."""
         if self.is_builtin or self.trust_remote_code:
             return None
         root = checkpoint_root(self.location, self.path, self.revision)
         if self.gguf_file is not None:
             return GgufParts(self.path, root / self.gguf_file, lm) if root is not None else None
-        files = (safetensors_files(self.path, root) or bin_files(self.path, root)) if root is not None else []
+        files = weight_files(self.path, root) if root is not None else []
         if self.stored_quantization() or not files:
             return None
         sources = tensor_sources(self.path, files, lm)
