@@ -74,7 +74,9 @@ class WeightFile:
         self._handle = None
 
     def names(self) -> list[str]:
-        return list(self._handle.keys())
+        """Its tensors' names (a PyTorch file may hold other values beside them)."""
+        h = self._handle
+        return [k for k, v in h.items() if hasattr(v, "shape")] if isinstance(h, dict) else list(h.keys())
 
     def shape(self, key: str) -> tuple[int, ...]:
         h = self._handle
