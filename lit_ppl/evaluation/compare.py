@@ -204,6 +204,7 @@ class SavedCompareModule(KLModule):
         self.saved: SavedReference | None = None
         self.stored_head: StoredHead | None = None
         self.stored_lockstep: Any = None  # the group calling the stored head in step, where it is held by rows
+        self.stored_blocks: Any = None  # its blocks of rows, where it is held by rows (kl_blocks streams over them)
         self._checked = False
 
     def setup(self, stage: str) -> None:
@@ -219,9 +220,12 @@ class SavedCompareModule(KLModule):
         assert self.saved is not None and self.scorer is not None
         rows = vocab_rows(self.scorer)
         head = self.saved.head(rows, self.scorer.head_module if rows is None else None)
-        if head.linear is not self.scorer.head_module:  # the model's own head is placed already
+        own = head.linear is self.scorer.head_module
+        if not own:  # the model's own head is placed already
             head.linear, self.stored_lockstep = place_head(head.linear, self.placement, self.scorer.lm)
-        self.stored_head = head
+        self.stored_head, self.stored_blocks = head, head.blocks()
+        if own and (head.scale, head.cap) == logit_transform(self.scorer.lm.config):
+            self.stored_blocks = self.scorer.head_blocks  # the model's own blocks: each gathered once for both sides
 
     def reference_stats(self, batch: dict[str, Any], hidden: Tensor, scorer: TokenScorer) -> dict[str, Tensor]:
         assert self.saved is not None and self.stored_head is not None
@@ -232,10 +236,7 @@ class SavedCompareModule(KLModule):
             head.linear.unshard()
         try:
             base = hidden_base.to(head.weight.dtype)
-            blocks = head.blocks()
-            if head.linear is scorer.head_module and (head.scale, head.cap) == logit_transform(scorer.lm.config):
-                blocks = scorer.head_blocks  # the model's own blocks: each gathered once for both sides
-            stats = self.stats(hidden, batch["targets"], scorer, base, head, self.stored_lockstep, blocks)
+            stats = self.stats(hidden, batch["targets"], scorer, base, head, self.stored_lockstep, self.stored_blocks)
         finally:
             if sharded:
                 head.linear.reshard()

@@ -139,9 +139,7 @@ class SavedReference:
         """Whether ``head`` is a plain linear head whose weight and bias are the stored ones, bit for bit. Where it is
         sharded (FSDP) its parts are gathered, a block of rows at a time where it is held by rows: collective."""
         if isinstance(head, RowsHead):
-            weights = (b.weight for b in head.rows.blocks)
-            blocks = (w.full_tensor() if hasattr(w, "full_tensor") else w for w in weights)
-            return head_digest(head.weight, None, blocks) == self.manifest["head_digest"]
+            return head_digest(head.weight, None, head.gathered_blocks()) == self.manifest["head_digest"]
         weight, bias = getattr(head, "weight", None), getattr(head, "bias", None)
         plain = [t for t in (weight, bias) if t is not None]
         if not plain or any(hasattr(t, "__tensor_flatten__") and not hasattr(t, "full_tensor") for t in plain):

@@ -18,6 +18,7 @@ float weights (torchao's tensors are outside FSDP).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -87,8 +88,13 @@ class Held(nn.Module):
 
     def full_weight(self) -> torch.Tensor:
         """The whole table, each block gathered from its FSDP shards (collective): to save it, not to compute."""
-        blocks = [b.weight for b in self.rows.blocks]
-        return torch.cat([b.full_tensor() if hasattr(b, "full_tensor") else b for b in blocks])
+        return torch.cat(list(self.gathered_blocks()))
+
+    def gathered_blocks(self) -> Iterator[torch.Tensor]:
+        """Each block's rows in order, gathered from its FSDP shards one at a time as iterated (collective)."""
+        for block in self.rows.blocks:
+            w = block.weight
+            yield w.full_tensor() if hasattr(w, "full_tensor") else w
 
 
 class RowsEmbedding(Held):
