@@ -51,16 +51,25 @@ def runs(docs_file, tmp_path_factory) -> dict[tuple[int, str], dict]:
     root = tmp_path_factory.mktemp("runs")
     (root / "one.txt").write_text(ONE_DOC, encoding="utf-8")
     docs, one = f"data.path={docs_file}", f"data.path={root / 'one.txt'}"  # a case's own (the command line's wins)
-    base = [f"model.path={STORIES}", "eval.seq_len=64", "trainer.accelerator=cpu"]
-    out = {(1, "one"): evaluate_overrides([*base, one], root / "single")}
+    stories, untied = f"model.path={STORIES}", f"model.path={_untied(root / 'untied')}"
+    base = ["eval.seq_len=64", "trainer.accelerator=cpu"]
+    out = {(1, "one"): evaluate_overrides([*base, stories, one], root / "single")}
     for world, cases in (
-        (2, {"fsdp-1-64-true": [*_case("fsdp", 1, "64-true"), docs], "fsdp-one": ["strategy=fsdp", one]}),
+        (
+            2,
+            {
+                "fsdp-1-64-true": [*_case("fsdp", 1, "64-true"), docs, stories],
+                "fsdp-one": ["strategy=fsdp", one, stories],
+                # The head an FSDP unit of its own: the rank with nothing to score must still join its gather.
+                "fsdp-untied-one": ["strategy=fsdp", one, untied],
+            },
+        ),
         (
             3,
             {
-                "ddp-3-32-true": [*_case("ddp", 3, "32-true"), docs],
-                "ddp-8-64-true": [*_case("ddp", 8, "64-true"), docs],
-                "ddp-one": ["strategy=ddp", one],
+                "ddp-3-32-true": [*_case("ddp", 3, "32-true"), docs, stories],
+                "ddp-8-64-true": [*_case("ddp", 8, "64-true"), docs, stories],
+                "ddp-one": ["strategy=ddp", one, stories],
             },
         ),
     ):
@@ -73,6 +82,21 @@ def runs(docs_file, tmp_path_factory) -> dict[tuple[int, str], dict]:
     results = wait(launch(args, nodes, nodes=2, per_node=2, node_args=sweep_dirs), timeout=400)
     assert all(code == 0 for code, _ in results), results[0][1][-2000:] + results[1][1][-2000:]
     out |= {(4, name): json.loads((nodes / name / "results.json").read_text()) for name in cases}
+    return out
+
+
+def _untied(out: Path) -> Path:
+    """stories260K with its head a copy of its embedding table rather than the same tensor: the same numbers."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(STORIES, tie_word_embeddings=False)
+    lm.lm_head.weight = torch.nn.Parameter(lm.model.embed_tokens.weight.detach().clone())
+    lm.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(STORIES / name, out / name)
     return out
 
 
@@ -103,9 +127,10 @@ def test_same_perplexity_at_every_world_size(runs, reference, world, case):
     assert r["rank_peak_device_mb"] is None
 
 
-@pytest.mark.parametrize("world,case", [(3, "ddp-one"), (2, "fsdp-one")])
+@pytest.mark.parametrize("world,case", [(3, "ddp-one"), (2, "fsdp-one"), (2, "fsdp-untied-one")])
 def test_fewer_windows_than_ranks(runs, world, case):
-    """One short document on 3 ranks (ddp) and 2 ranks (fsdp): two ranks only run padding steps."""
+    """One short document on 3 ranks (ddp) and 2 ranks (fsdp; with an untied head, its own FSDP unit): the other
+    ranks only run padding steps. (An untied head's gather once left the scoring rank waiting on the idle one.)"""
     r, single = runs[world, case], runs[1, "one"]
     assert r["world_size"] == world and r["strategy"] == case.split("-")[0]
     assert r["tokens"] == single["tokens"] and r["ppl"] == pytest.approx(single["ppl"], rel=1e-6)
