@@ -29,7 +29,7 @@ DDP2 = ("strategy=ddp", "trainer.devices=2")
 def text(tmp_path_factory) -> Path:
     require_shared()
     path = tmp_path_factory.mktemp("text") / "wiki.txt"
-    path.write_text(WIKITEXT.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
+    path.write_text(WIKITEXT.read_text(encoding="utf-8")[:36_000], encoding="utf-8")
     return path
 
 
@@ -118,7 +118,7 @@ def test_signal_saves_then_rerun_is_bit_identical(text, uninterrupted, tmp_path,
     assert f"resuming from step {stopped}" in done.stderr
     _assert_identical(r, uninterrupted[world])
     assert not list((out / "progress").glob("*.pt")), "a finished run leaves no progress behind"
-    # report.html's sampled tokens (60K scored: evenly spread windows) are metric states: restored like the sums.
+    # report.html's sampled tokens (36K scored: evenly spread windows) are metric states: restored like the sums.
     page = report_data(out / "report.html")
     assert page == report_data(Path(uninterrupted[world]["config"]["output_dir"]) / "report.html")
     assert 0 < sum(len(p["text"]) for p in page["pages"]) < r["tokens"]
