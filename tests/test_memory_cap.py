@@ -128,7 +128,8 @@ def _oom_kills(group: Path) -> int:
 def _text_env_weights(large: Path, tmp_path: Path) -> tuple[Path, dict[str, str], float]:
     """The evaluated text, the runs' environment, and the model's float32 weights in MiB."""
     text = tmp_path / "text.txt"
-    text.write_text(TINYSTORIES.read_text(encoding="utf-8")[:500], encoding="utf-8")  # one step per rank: memory, not speed
+    # One step per rank: the figures are about memory, and each step gathers the whole 1.5 GiB model.
+    text.write_text(TINYSTORIES.read_text(encoding="utf-8")[:500], encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return text, env, 2 * sum(f.stat().st_size for f in large.glob("*.safetensors")) / 2**20  # bf16 on disk
 

@@ -18,8 +18,9 @@ of the dependencies estimates a quantization's effect (Model-Optimizer is not on
 
 Sums per window are float64 and added over the ranks in global batch order
 (:func:`lit_ppl.quant.calibrated.stream.ordered_sum`): the same table at any world size. Tokens are sampled from a
-generator seeded by the window's global index. Memory: each candidate's ``ΔW`` is held for the pass (the linear
-weights once per scheme, in the weights' dtype) beside one window's activations.
+generator seeded by the window's global index. Memory: every candidate is held quantized for the pass (int8 a
+quarter of float32's bytes, int4 an eighth), its ``ΔW`` made when its layer's gradient arrives and dropped after,
+beside one window's activations.
 """
 
 from __future__ import annotations
@@ -49,13 +50,13 @@ class _Probe:
         self.lm, self.mode = lm, 0
         self.layers = candidates.layers
         self.sums = torch.zeros(len(self.layers), len(kinds), 2, dtype=torch.float64)
-        self.deltas: dict[str, list[torch.Tensor | None]] = {}
-        for name in self.layers:
-            float_weight = candidates.tensor(name).detach()
-            self.deltas[name] = [
-                None if candidates.scheme(name, kind) is None else _delta(candidates, name, kind, float_weight)
-                for kind in kinds
-            ]
+        self.candidates = candidates
+        # Each candidate kept as built (a quantized tensor: a quarter or an eighth of the float bytes); its ΔW is
+        # made when a gradient needs it, so the pass holds one layer's ΔW, not every layer's in every scheme.
+        self.built: dict[str, list[tuple[torch.Tensor, torch.Tensor | None] | None]] = {
+            name: [None if candidates.scheme(name, kind) is None else candidates.weight(name, kind) for kind in kinds]
+            for name in self.layers
+        }
 
     @contextmanager
     def hooked(self, candidates: Candidates) -> Iterator[None]:
@@ -123,9 +124,11 @@ class _Probe:
             g = g.float()
             # A linear layer's text term Σ g·(x ΔWᵀ) is ⟨ΔW, gᵀx⟩: one product per layer, whatever the schemes.
             grad_w = None if self.mode == 0 or x is None else g.flatten(0, -2).T @ x.flatten(0, -2).float()
-            for j, delta in enumerate(self.deltas[name]):
-                if delta is None:
+            float_weight = self.candidates.tensor(name).detach()
+            for j, built in enumerate(self.built[name]):
+                if built is None:
                     continue
+                delta = _delta(*built, float_weight)
                 if grad_w is not None:
                     term = grad_w * delta.float()
                 else:
@@ -162,9 +165,8 @@ def attention_of(lm: nn.Module, name: str) -> nn.Module | None:
     return None
 
 
-def _delta(candidates: Candidates, name: str, kind: str, float_weight: torch.Tensor) -> torch.Tensor:
-    """The candidate's weight minus the float one, with AWQ's input pre-scale folded in (``(x·s) Wᵀ = x (W·s)ᵀ``)."""
-    weight, pre = candidates.weight(name, kind)
+def _delta(weight: torch.Tensor, pre: torch.Tensor | None, float_weight: torch.Tensor) -> torch.Tensor:
+    """A candidate's ``weight`` minus the float one, with AWQ's input pre-scale folded in (``(x·s) Wᵀ = x (W·s)ᵀ``)."""
     if type(weight) is not torch.Tensor:  # a torchao tensor subclass: its float values
         weight = weight.dequantize()
     if pre is not None:
