@@ -351,6 +351,25 @@ def test_without_auto_embeddings_only_linear_layers_are_candidates(small_calibra
         assert (candidates.scheme("lm_head", "int4") is None) == tied
 
 
+def test_the_estimate_holds_candidates_quantized_not_their_float_changes(small_calibration):
+    """The gradient estimate keeps each candidate as built and makes its ΔW when a gradient needs it: what it holds
+    for the pass is under one float model's bytes for two schemes (every ΔW held was two float models)."""
+    from lit_ppl.quant.auto.candidates import Candidates
+    from lit_ppl.quant.auto.fisher import _Probe
+    from lit_ppl.quant.calibrated.stream import Where
+    from lit_ppl.runtime.memory import tensor_bytes
+
+    cfg = quant_config({"name": "auto", "method": "rtn", "group_size": 32, "budget": {"kld": 1.0}})
+    model, kinds = stories_lm(tied=False), ["int8", "int4"]
+    candidates = Candidates(model, cfg, kinds, small_calibration, Where())
+    probe = _Probe(model, candidates, kinds)
+    kept = [b for built in probe.built.values() for b in built if b is not None]
+    assert len(kept) == sum(candidates.scheme(n, k) is not None for n in probe.layers for k in kinds) > 60
+    assert all(type(weight) is not torch.Tensor for weight, _ in kept)  # torchao's tensors: codes and scales
+    held = sum(tensor_bytes(weight) for weight, _ in kept)
+    assert held < sum(tensor_bytes(candidates.tensor(n)) for n in probe.layers), held
+
+
 def test_groups_of_experts_are_candidates_estimated_and_applied_as_measured(small_calibration, compose, tmp_path):
     """A mixture-of-experts model (Mixtral, every expert's projection in one 3D parameter): each fused parameter is
     one candidate, int8 only (torchao's int4 takes no 3D weight), its bytes packed per expert and row; after the last

@@ -18,9 +18,9 @@ of the dependencies estimates a quantization's effect (Model-Optimizer is not on
 
 Sums per window are float64 and added over the ranks in global batch order
 (:func:`lit_ppl.quant.calibrated.stream.ordered_sum`): the same table at any world size. Tokens are sampled from a
-generator seeded by the window's global index. Memory: every candidate is held quantized for the pass (int8 a
-quarter of float32's bytes, int4 an eighth), its ``ΔW`` made when its layer's gradient arrives and dropped after,
-beside one window's activations.
+generator seeded by the window's global index. Memory: every candidate is held quantized for the pass (its codes
+and scales: about a quarter of float32's bytes, an eighth for packed int4), its ``ΔW`` made when its layer's
+gradient arrives and dropped after, beside one window's activations.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class _Probe:
         self.layers = candidates.layers
         self.sums = torch.zeros(len(self.layers), len(kinds), 2, dtype=torch.float64)
         self.candidates = candidates
-        # Each candidate kept as built (a quantized tensor: a quarter or an eighth of the float bytes); its ΔW is
+        # Each candidate kept as built (codes and scales: a quarter of float32's bytes or less); its ΔW is
         # made when a gradient needs it, so the pass holds one layer's ΔW, not every layer's in every scheme.
         self.built: dict[str, list[tuple[torch.Tensor, torch.Tensor | None] | None]] = {
             name: [None if candidates.scheme(name, kind) is None else candidates.weight(name, kind) for kind in kinds]
