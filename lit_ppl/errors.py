@@ -8,12 +8,44 @@ print its traceback and say so, instead of passing it off as the user's mistake 
 
 from __future__ import annotations
 
+import sys
+
 EXIT_CONFIG = 2  # a config refused before anything ran (argparse's and jsonargparse's usage code)
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again" — the progress is saved
 
 
 class UserError(Exception):
     """Bad input or a failed peer, found by lit-ppl: one line, no traceback. Subclasses also derive from the
     builtin error that code catching them expects (``ValueError``, ``RuntimeError``, ``ImportError``)."""
+
+    exit_code = 1
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after saving its progress; rerun with the same output_dir to resume."""
+
+
+# Errors that mean "the input was wrong" or "a peer failed": reported as one line, without a traceback. lit-ppl's
+# own all derive from UserError; a ValueError from elsewhere is a bug and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    UserError,
+    FileNotFoundError,
+    NotADirectoryError,
+    PermissionError,
+    FloatingPointError,
+)
+
+
+def input_error(err: BaseException) -> tuple[str, int] | None:
+    """The one line and exit code of a preemption or of the input's mistake, or ``None`` (a failed peer or a bug:
+    :func:`lit_ppl.run.exit_for`). Needs no library: an entry reports a bad input before it imports Lightning."""
+    if isinstance(err, Preempted):
+        return f"lit-ppl: {err}", EXIT_PREEMPTED
+    # Lightning's word for a bad precision, accelerator or device count: only raised once Lightning is imported.
+    lightning = sys.modules.get("lightning.fabric.utilities.exceptions")
+    if isinstance(err, USER_ERRORS + ((lightning.MisconfigurationException,) if lightning else ())):
+        return f"lit-ppl: error: {err}", getattr(err, "exit_code", 1)
+    return None
 
 
 class LitPplError(UserError, ValueError):

@@ -32,6 +32,7 @@ from lit_ppl.parallel import tensor_parallel
 from lit_ppl.parallel.layout import Layout, resolve
 from lit_ppl.quant.quantizer import check_layout
 from lit_ppl.runtime.precision import Precision, device_type
+from lit_ppl.runtime.verbosity import set_verbose
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,7 @@ def check_deterministic(batch_size: int | str, compile_decoder: bool, tp: int = 
 
 def preflight(cfg: DictConfig) -> Plan:
     """Check ``cfg`` (the schema, the targets, the layout, the model's config) and return the run's :class:`Plan`."""
+    set_verbose(cfg.get("verbose", False))  # the libraries' lines hidden (or shown) from the first check on
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain.pop("hydra", None)
     check_targets(plain, plain.get("allow_any_target", False))  # the entries checked it already; not Python callers
@@ -254,6 +256,7 @@ def preflight(cfg: DictConfig) -> Plan:
             f"eval.seq_len={typed.eval.seq_len} exceeds the model's maximum of {limits[1]} positions; "
             f"use eval.seq_len<={limits[1]}"
         )
+    data = construct(plain["data"])  # its paths checked before Lightning is imported (by the precision's name)
     precision = Precision.of(typed.precision)
     quant = quant_config(plain["quant"])
     if quant.name != "none" and precision.weights == torch.float64:
@@ -268,7 +271,6 @@ def preflight(cfg: DictConfig) -> Plan:
         autobatch.read_cache(Path(typed.autobatch.cache).expanduser())  # one it would overwrite is refused now
     batch = BatchPlan(typed.batch_size, dist.balance, dist.weights, dataclasses.asdict(typed.autobatch))
     breakdown = bool(typed.report.per_document) or typed.report.plots or typed.report.html
-    data = construct(plain["data"])
     reference = resolve_reference(typed.compare.reference, model, precision)
     path = "compare" if typed.compare.reference else "nll"
     chunk = auto_chunk(typed.eval.chunk_size, limits[0], typed.eval.chunk_budget_mb, path)

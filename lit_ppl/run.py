@@ -15,16 +15,16 @@ import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 
-from lit_ppl.config.values import ConfigError
+from lit_ppl import errors
 from lit_ppl.data.datamodule import PerplexityDataModule
-from lit_ppl.errors import EXIT_CONFIG, UserError, first_line
+from lit_ppl.errors import first_line
 from lit_ppl.evaluation.agreement import AgreementCheck
 from lit_ppl.evaluation.compare import CompareModule, SavedCompareModule
 from lit_ppl.evaluation.module import PerplexityModule
 from lit_ppl.evaluation.outputs import TokenOutputs
 from lit_ppl.evaluation.pages import ReportSample
 from lit_ppl.evaluation.reference import saving_run, store_lock
-from lit_ppl.evaluation.resume import EXIT_PREEMPTED, Preempted, ResumeCallback
+from lit_ppl.evaluation.resume import ResumeCallback
 from lit_ppl.evaluation.trainer import build_trainer
 from lit_ppl.parallel.ranks import peer_failure, rank
 from lit_ppl.parallel.strategies import join_launched_ranks
@@ -37,24 +37,16 @@ from lit_ppl.report.summary import print_compare_table, print_results_table
 from lit_ppl.runtime.files import write_json_atomic
 from lit_ppl.runtime.lock import first_process, run_lock
 from lit_ppl.runtime.threads import set_cpu_threads, use_deterministic_kernels
-from lit_ppl.runtime.verbosity import set_verbose
 
-# Errors that mean "the input was wrong" or "a peer failed": reported as one line, without a traceback. lit-ppl's
-# own all derive from UserError; a ValueError from elsewhere is a bug and keeps its traceback.
-USER_ERRORS = (
-    UserError,
-    FileNotFoundError,
-    NotADirectoryError,
-    PermissionError,
-    FloatingPointError,
-    MisconfigurationException,  # Lightning's word for a bad precision, accelerator or device count
-)
+# What an entry reports as one line without a traceback (lit_ppl.errors.USER_ERRORS), and Lightning's word for a
+# bad precision, accelerator or device count.
+USER_ERRORS = (*errors.USER_ERRORS, MisconfigurationException)
 
 
-def evaluate(cfg: DictConfig) -> dict[str, Any]:
-    """Run one evaluation described by ``cfg``; return ``results.json``'s content (on every rank)."""
-    set_verbose(cfg.get("verbose", False))
-    plan = preflight(cfg)
+def evaluate(cfg: DictConfig, plan: Plan | None = None) -> dict[str, Any]:
+    """Run one evaluation described by ``cfg`` (``plan``: its :func:`lit_ppl.preflight.preflight`, if the entry
+    checked it already); return ``results.json``'s content (on every rank)."""
+    plan = plan or preflight(cfg)
     holder = first_process()
     # Two runs into one output_dir, or two into one saved reference, would race each other's files.
     with run_lock(plan.output_dir, holder), store_lock(plan.cfg.save_reference, holder):
@@ -217,12 +209,9 @@ def exit_for(err: BaseException) -> tuple[str, int]:
     """The one line and exit code with which every entry reports ``err``; a bug's traceback is printed first."""
     import torch.distributed as dist
 
-    if isinstance(err, Preempted):
-        return f"lit-ppl: {err}", EXIT_PREEMPTED
-    if isinstance(err, ConfigError):
-        return f"lit-ppl: error: {err}", EXIT_CONFIG
-    if isinstance(err, USER_ERRORS):
-        return f"lit-ppl: error: {err}", 1
+    found = errors.input_error(err)
+    if found is not None:
+        return found
     if isinstance(err, dist.DistNetworkError | dist.DistStoreError):
         # Raised while the ranks find each other (TCPStore): nothing ran yet, no peer "died".
         return f"lit-ppl: error: rank {rank()}: could not reach the other ranks at start-up: {first_line(err)}", 1

@@ -32,8 +32,9 @@ from omegaconf import DictConfig
 
 from lit_ppl import config  # registers the schema (base_validate) that conf/validate.yaml starts from
 from lit_ppl.config.guard import guarded_composition
-from lit_ppl.errors import EXIT_CONFIG
+from lit_ppl.errors import EXIT_CONFIG, Preempted, input_error
 from lit_ppl.report.results import DEFER_HYDRA_FILES
+from lit_ppl.runtime.signals import install_signal_handlers, requeue_if_slurm
 
 # entry() sets HYDRA_FULL_ERROR so that composition errors reach it as exceptions; this marks that it did (ranks
 # that Lightning relaunches inherit both), as opposed to a user asking for Hydra's full traces.
@@ -70,17 +71,25 @@ def main(cfg: DictConfig) -> None:
         # not hydra.job.chdir=true moved into the run directory.
         os.chdir(HydraConfig.get().runtime.cwd)
         _with_sweep_dir(cfg)
-    # Imported here: composing the config (--help, --cfg job) needs neither torch nor Lightning.
-    from lit_ppl.evaluation.resume import Preempted, install_signal_handlers, requeue_if_slurm
-    from lit_ppl.run import evaluate, exit_for
-
     install_signal_handlers()
+    # Imported here: composing the config (--help, --cfg job) needs neither torch nor Lightning, and the checks
+    # before any weight loads need no Lightning: a bad input is one line in seconds, not after Lightning's import.
+    from lit_ppl.preflight import preflight
+
     try:
-        evaluate(cfg)
+        plan = preflight(cfg)
+        from lit_ppl.run import evaluate
+
+        evaluate(cfg, plan)
     except Exception as err:
         if isinstance(err, Preempted):
             requeue_if_slurm()
-        _fail(*exit_for(err))
+        found = input_error(err)
+        if found is None:  # a failed peer or a bug: its line (and a bug's traceback) from the run's own rules
+            from lit_ppl.run import exit_for
+
+            found = exit_for(err)
+        _fail(*found)
 
 
 def _with_sweep_dir(cfg: DictConfig) -> None:

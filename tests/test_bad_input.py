@@ -261,6 +261,19 @@ def test_entry_exits_nonzero_with_the_message(tmp_path, args, message):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_bad_input_is_refused_before_lightning_is_imported(tmp_path):
+    """The checks before any weight loads need no Lightning: a mistaken path is one line in seconds, not after the
+    seconds Lightning's import takes (its own, torch's compiler and torchmetrics')."""
+    proc, results = run_entry(["data.path=/no/such.txt"], tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert proc.returncode == 1 and results is None
+    lines = proc.stderr.splitlines()
+    assert [line for line in lines if line.startswith("lit-ppl:")] == [
+        "lit-ppl: error: data.path='/no/such.txt' is not a file, a directory or a glob that matches"
+    ]
+    imported = {line.rsplit("|", 1)[1].strip() for line in lines if line.startswith("import time:")}
+    assert "torch" in imported and "lightning" not in imported
+
+
 def test_failed_write_keeps_the_previous_results(tmp_path):
     path = write_json_atomic(tmp_path / "results.json", {"ppl": 1.5})
     with pytest.raises(ValueError, match="Out of range float values"):

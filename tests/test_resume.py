@@ -17,7 +17,7 @@ from conftest import ROOT, WIKITEXT, require_shared
 from helpers.browser import report_data
 
 from lit_ppl.data import autobatch
-from lit_ppl.evaluation.resume import EXIT_PREEMPTED
+from lit_ppl.errors import EXIT_PREEMPTED
 from lit_ppl.report import runs as report
 
 pytestmark = pytest.mark.slow

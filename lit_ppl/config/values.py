@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from lit_ppl.errors import LitPplError
+from lit_ppl.errors import EXIT_CONFIG, LitPplError
 
 # Allowed values: the one definition, imported by the modules that act on each key (named after the #).
 STRATEGY_NAMES = (
@@ -124,6 +124,8 @@ LOGGER_ARGS: dict[str, tuple[str, ...]] = {
 
 class ConfigError(LitPplError):
     """A value the schema refuses, reported by the entry as one line."""
+
+    exit_code = EXIT_CONFIG
 
 
 # Field metadata: ``choices`` (allowed values), ``check`` (a function of (key, value) for what OmegaConf cannot

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,42 +33,13 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lit_ppl.data.batch_plan import BatchPlan
-from lit_ppl.errors import LitPplError, first_line
+from lit_ppl.errors import LitPplError, Preempted, first_line
 from lit_ppl.parallel.ranks import control_group, peers_alive
 from lit_ppl.runtime.files import atomic_path
+from lit_ppl.runtime.signals import install_signal_handlers, signalled
 
 _FILE = re.compile(r"rank(\d+)-step(\d+)\.pt$")
 PROGRESS_KEYS = {"fingerprint", "world_size", "step", "plan"}  # what every progress file lit-ppl writes holds
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-
-
-class Preempted(Exception):
-    """The run stopped on a signal after saving its progress; rerun with the same output_dir to resume."""
-
-
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again" — the progress is saved
-_signalled = False
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    # Only a flag: saving inside a signal handler could interrupt a half-written tensor.
-    global _signalled
-    _signalled = True
-
-
-def install_signal_handlers() -> None:
-    """Catch SIGUSR1/SIGTERM from process start: one that arrives before the handler would kill the job."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, _on_signal)
-
-
-def requeue_if_slurm() -> None:
-    """Under Slurm, rank 0 puts the job back in the queue; the rerun resumes from the saved progress."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if job and int(os.environ.get("SLURM_PROCID", "0")) == 0:
-        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"lit-ppl: scontrol requeue {job} failed: {done.stderr.strip()}", file=sys.stderr)
 
 
 def fingerprint(config: dict[str, Any], windows_digest: str) -> str:
@@ -213,7 +181,7 @@ class ResumeCallback(Callback):
             self._save(trainer, pl_module, step)
 
     def _any_rank_stopping(self, pl_module: L.LightningModule) -> bool:
-        flag = torch.tensor([float(_signalled)])  # on the CPU: this all-reduce never syncs a GPU
+        flag = torch.tensor([float(signalled())])  # on the CPU: this all-reduce never syncs a GPU
         if (group := control_group()) is not None:
             with peers_alive("the stop-signal check"):
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
