@@ -150,7 +150,7 @@ def test_other_errors_keep_hydras_report(tmp_path):
     """An error inside the run (not the config) keeps its traceback and is called a bug, not a config line."""
     code = (
         "import sys, lit_ppl.run\n"
-        "def boom(cfg):\n    raise RuntimeError('boom')\n"
+        "def boom(cfg, plan=None):\n    raise RuntimeError('boom')\n"
         "lit_ppl.run.evaluate = boom\n"
         "from lit_ppl.validate import entry\n"
         f"sys.argv = ['lit_ppl.validate', 'output_dir={tmp_path}', 'hydra.run.dir={tmp_path}']\n"
