@@ -143,10 +143,10 @@ class TokenScorer(nn.Module):
             hidden = self.hidden(input_ids)  # (b, t, d)
             scored = hidden.reshape(-1, hidden.shape[-1]).index_select(0, score_index)  # (n, d)
         out = self.nll(scored, targets) if then is None else then(scored, self)
-        if scored.shape[0] == 0 and hasattr(self.head_module, "reshard"):
-            # An FSDP unit of its own gathers on its first call: a rank with nothing to score (a padding step)
+        if scored.shape[0] == 0 and hasattr(self.head_module, "unshard"):
+            # An FSDP unit of its own is gathered by its first call: a rank with nothing to score (a padding step)
             # still joins the gather its peers make, or they wait on it forever.
-            self.head_module(scored)
+            self.head_module.unshard()
         self.release_head()
         return out
 
