@@ -193,17 +193,30 @@ def test_the_knapsack_finds_the_fewest_bytes_within_the_budget():
 
 
 @pytest.mark.slow
-def test_two_fsdp_ranks_choose_what_one_rank_chooses(compose, tmp_path):
-    """Under fsdp × 2 each rank measures its share of the calibration batches, summed in global batch order: the
-    same sensitivities bit for bit (deterministic mode), so the same policy, and the same weights as one process."""
+@pytest.mark.parametrize("method", ["fisher", "exact"])
+def test_two_fsdp_ranks_choose_what_one_rank_chooses(compose, tmp_path, method):
+    """Under fsdp × 2 each rank holds its rows of the float decoder layers and measures its share of the calibration
+    batches, summed in global batch order: the same sensitivities bit for bit (deterministic mode), so the same
+    policy, and the same weights as one process. The four windows are one batch: rank 1 runs every pass idle, so
+    that each gather of a layer's rows has both ranks."""
     from lit_ppl.run import evaluate
 
     require_shared()
-    args = auto_args(tmp_path, "quant.budget.kld=0.02", f"data.cache_dir={tmp_path}", "eval.deterministic=true")
+    args = auto_args(
+        tmp_path,
+        "quant.budget.kld=0.02",
+        f"data.cache_dir={tmp_path}",
+        "eval.deterministic=true",
+        "quant.calibration.batch_size=4",
+        f"quant.sensitivity_method={method}",
+    )
     one = evaluate(compose(*args))
     proc, two = run_entry([*args, "strategy=fsdp", "trainer.devices=2"], tmp_path / "two", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert two["world_size"] == 2 and two["parallel"]["kind"] == "fsdp"
+    assert (
+        two["quant"]["auto"]["measurement"]["held_by_rows"] and not one["quant"]["auto"]["measurement"]["held_by_rows"]
+    )
     assert two["quant"]["auto"]["policy"] == one["quant"]["auto"]["policy"]
     assert two["quant"]["auto"]["sensitivity"] == one["quant"]["auto"]["sensitivity"]  # bit for bit
     assert two["quant"]["digest"] == one["quant"]["digest"]

@@ -33,6 +33,7 @@ from lit_ppl.model.scorer import TokenScorer
 from lit_ppl.model.spec import ModelSpec
 from lit_ppl.parallel.float_rows import FloatRows
 from lit_ppl.parallel.layout import Layout
+from lit_ppl.parallel.quantized_rows import shard_quantized_rows
 from lit_ppl.parallel.sharding import (
     decoder_blocks,
     device_mesh,
@@ -43,7 +44,6 @@ from lit_ppl.parallel.sharding import (
     load_own_parts,
     local,
     materialize,
-    shard_quantized_rows,
     tp_group,
     unloaded,
     weight_bytes,

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from lit_ppl.errors import LitPplError
 from lit_ppl.parallel.layout import Layout
-from lit_ppl.parallel.tensor_parallel import Group, all_gather_uneven, split_sizes
+from lit_ppl.parallel.tensor_parallel import Group, split_sizes
 from lit_ppl.parallel.vocab_rows import Held, row_blocks, row_targets
 from lit_ppl.runtime.memory import is_quantized, tensor_bytes
 
@@ -271,68 +271,3 @@ def weight_bytes(module: nn.Module) -> int:
             seen.add(id(p))
             total += tensor_bytes(local(p))
     return total
-
-
-def _rows(t: torch.Tensor, rows: int, parts: int, index: int) -> torch.Tensor | None:
-    """Row block ``index`` of ``parts`` of a quantized weight's inner tensor, if it is laid out by output row."""
-    if t.dim() == 0 or t.shape[0] != rows:
-        return None
-    return t.tensor_split(parts, 0)[index].clone()
-
-
-class RowShard:
-    """Keep rows ``[rank]`` of a quantized weight; gather them back around the module's forward.
-
-    FSDP2 cannot shard torchao's tensors (they lack ``aten.split``), so without this every rank would hold every
-    quantized weight. A quantized weight is a tensor subclass around plain inner tensors (codes, scales, zero
-    points); those laid out by output row are split, the rest (shared metadata) kept whole. Splitting rows is
-    exact for every scheme here: per-row int8 scales and int4's groups along the input features stay whole.
-    """
-
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup) -> None:
-        self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
-        weight = module.weight
-        self.outer = tuple(weight.shape)
-        names, self.ctx = weight.__tensor_flatten__()
-        inner = {n: getattr(weight, n) for n in names}
-        self.split = {n: _rows(t, self.outer[0], self.size, self.rank) for n, t in inner.items()}
-        if any(t is None for n, t in self.split.items() if inner[n].dim() >= 2):
-            raise LitPplError(
-                f"{type(weight).__name__} packs its {self.outer} weight in a layout not split by output row; it cannot "
-                "be sharded across data-parallel ranks: use quant.backend=intx, or parallel.tp instead of fsdp"
-            )
-        self.whole = {n: t for n, t in inner.items() if self.split[n] is None}
-        self.cls = type(weight)
-        self.local = {n: t for n, t in self.split.items() if t is not None}
-        module._parameters["weight"] = nn.Parameter(self._build(self.local, local=True), requires_grad=False)
-        module._lit_ppl_rows = self  # sharded: shard_quantized_rows passes it by
-        module.register_forward_pre_hook(self.gather)
-        module.register_forward_hook(self.release)
-
-    def _build(self, parts: dict[str, torch.Tensor], local: bool) -> torch.Tensor:
-        rows = next(iter(parts.values())).shape[0] if local else self.outer[0]
-        size = (rows, *self.outer[1:])
-        stride = tuple(torch.empty(size, device="meta").stride())
-        return self.cls.__tensor_unflatten__({**self.whole, **parts}, self.ctx, size, stride)
-
-    def gather(self, module: nn.Module, args: object) -> None:
-        sizes = split_sizes(self.outer[0], self.size)
-        full = {name: all_gather_uneven(t, 0, sizes, self.group) for name, t in self.local.items()}
-        module._parameters["weight"] = nn.Parameter(self._build(full, local=False), requires_grad=False)
-
-    def release(self, module: nn.Module, args: object, output: object) -> None:
-        module._parameters["weight"] = nn.Parameter(self._build(self.local, local=True), requires_grad=False)
-
-
-def shard_quantized_rows(lm: nn.Module, names: list[str], group: dist.ProcessGroup) -> None:
-    """Row-shard every quantized linear weight in ``names`` (``module.weight`` names) over ``group``, but the
-    output head's, which stays whole as FSDP leaves quantized weights: the scorer calls the head once per chunk of
-    this rank's positions, a count the ranks need not share (a gather per call would hang), and a head tied to
-    the embeddings would lose the tie."""
-    modules = dict(lm.named_modules())
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    for name in names:
-        owner = modules[name.removesuffix(".weight")]
-        linear = isinstance(owner, nn.Linear) and name.endswith(".weight") and owner is not head
-        if linear and not hasattr(owner, "_lit_ppl_rows"):  # not sharded already, as it arrived
-            RowShard(owner, group)

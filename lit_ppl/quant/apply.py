@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -33,7 +32,7 @@ from lit_ppl.quant.auto.budget import packed_bytes
 from lit_ppl.quant.calibrated.awq import PRE_SCALE
 from lit_ppl.quant.calibrated.split import TpView
 from lit_ppl.quant.calibrated.stream import Where
-from lit_ppl.quant.consistency import broadcast_from_rank0, check_ranks_agree, digest, value_digest, whole_digest
+from lit_ppl.quant.consistency import Known, broadcast_from_rank0, check_ranks_agree, record, whole_digest
 from lit_ppl.quant.methods import METHODS, Choice, Method
 from lit_ppl.quant.report import QuantReport, summary_lines
 from lit_ppl.quant.targets import to_plain_linear
@@ -71,7 +70,8 @@ def quantize_model(
     if cfg.name == "auto":  # measured, then applied as the policy it chose
         from lit_ppl.quant.auto.search import choose_policy
 
-        cfg, report.auto = choose_policy(lm, cfg, calibration, _where(*world(), tp))
+        lockstep = rows is not None and bool(rows.handles)
+        cfg, report.auto = choose_policy(lm, cfg, calibration, _where(*world(), tp), lockstep)
     todo, report.modules, targets = assign(lm, rules_from_cfg(cfg), cfg.backend, cfg.group_fallback, device)
     _check_assigned(lm, report, todo, targets)
     before = {n: tensor_bytes(t.weight(lm)) for n, t in targets.items()}
@@ -86,10 +86,14 @@ def quantize_model(
         # torchao's tensors run in F.linear, not in the grouped-matmul kernels of transformers' default experts.
         lm.set_experts_implementation("eager")
         report.backend["experts"] = "transformers' eager experts loop (F.linear per expert)"
-    known = _Known()
+    known = Known()
     _calibrate(lm, todo, calibration, report, (rank, size, broadcast), cfg, tp, (rows, release, known))
+    free = todo
+    if rows is not None and rows.handles:  # quant=auto's policy: the layers it does not calibrate, still by rows
+        done = _held_by_blocks(lm, todo, experts, report, (rows, release, known))
+        free = {n: c for n, c in todo.items() if n not in done}
     if stream is None:
-        _round_to_nearest(lm, todo, experts, report, skip=broadcast and rank != 0)
+        _round_to_nearest(lm, free, experts, report, skip=broadcast and rank != 0)
     else:
         layer_of = {**{s: f for s, f in twins.items() if f in todo}, **{n: n for n in todo}}
         _as_read(lm, todo, experts, report, (stream, release, known), layer_of)
@@ -146,7 +150,7 @@ def _calibrate(
     where: tuple[int, int, bool],
     cfg: QuantConfig,
     tp: TpView | None = None,
-    held: tuple[Any, Callable[[str], None] | None, _Known] = (None, None, None),
+    held: tuple[Any, Callable[[str], None] | None, Known] = (None, None, None),
 ) -> None:
     """The calibrated layers, on the float model before any round-to-nearest layer changes their inputs (torchao's
     order: every observer sees float activations): each method's statistics first, then each method's quantization
@@ -187,7 +191,7 @@ def _by_blocks(
     methods: dict[Method, dict[str, Choice]],
     stats: dict[Method, Any],
     run: tuple[Any, Where, QuantConfig],
-    held: tuple[Any, Callable[[str], None] | None, _Known],
+    held: tuple[Any, Callable[[str], None] | None, Known],
 ) -> dict[str, dict[str, Any]]:
     """Each method's quantization a decoder block at a time (``run``: calibration, place, config): the block's layers
     held by rows made whole, quantized by each method in the table's order, hashed whole and released (cut to this
@@ -208,17 +212,34 @@ def _by_blocks(
             if part:
                 facts.update(method.quantize(lm, part, st and {n: st[n] for n in part}, *run))
         for name in mine:
-            _record(known, f"{name}.weight", name, lm.get_submodule(name).weight)
+            record(known, f"{name}.weight", name, lm.get_submodule(name).weight)
             if release is not None:
                 release(name)
     return facts
 
 
-def _record(known: _Known, key: str, layer: str, weight: Any) -> None:
-    """What is kept of a quantized weight while it is whole: its inner tensors' and values' digests, its bytes."""
-    known.inner[key] = digest(weight)
-    known.values[key] = value_digest(weight) or known.inner[key]  # whole_digest's fallback, taken whole
-    known.bytes[layer] = tensor_bytes(weight)
+def _held_by_blocks(
+    lm: nn.Module,
+    todo: dict[str, Choice],
+    experts: set[str],
+    report: QuantReport,
+    held: tuple[Any, Callable[[str], None] | None, Known],
+) -> set[str]:
+    """The layers still held by rows (``quant=auto``'s policy: round to nearest, full precision) a decoder block at
+    a time: made whole, quantized if ``todo`` has them, hashed and released (cut to this rank's rows); a
+    full-precision layer stays whole, for FSDP to shard with its block. The layers quantized."""
+    from lit_ppl.quant.calibrated.gptq import blocks
+
+    rows, release, known = held
+    _free_choices(todo, report)
+    done: set[str] = set()
+    for _, names in blocks(lm, list(rows.handles)):
+        for name in names:
+            rows.whole(name)
+        for name in (n for n in names if n in todo):
+            _quantize_now(lm, todo[name], name, experts, (release, known))
+            done.add(name)
+    return done
 
 
 class _Chosen:
@@ -269,22 +290,12 @@ def _apply(lm: nn.Module, choice: Choice, names: set[str], experts: set[str]) ->
         raise RuntimeError(f"{backend} failed on {chosen.seen or lm.__class__.__name__}: {err}") from err
 
 
-@dataclass
-class _Known:
-    """What was read of weights quantized as they arrived, while each was whole: per parameter its inner tensors'
-    and its values' digests, per layer its bytes (after that, a rank may hold only its rows)."""
-
-    inner: dict[str, str] = field(default_factory=dict)
-    values: dict[str, str | None] = field(default_factory=dict)
-    bytes: dict[str, int] = field(default_factory=dict)
-
-
 def _as_read(
     lm: nn.Module,
     todo: dict[str, Choice],
     experts: set[str],
     report: QuantReport,
-    how: tuple[Stream, Callable[[str], None] | None, _Known],
+    how: tuple[Stream, Callable[[str], None] | None, Known],
     layer_of: dict[str, str],
 ) -> None:
     """The calibration-free layers quantized as their weights arrive (``how``: the stream, the release and what
@@ -295,18 +306,25 @@ def _as_read(
 
     def arrived(param: str) -> None:
         name = by_param.get(param)
-        if name is None:
-            return
-        _apply(lm, todo[name], {name}, experts)
-        weight = lm.get_parameter(name) if name in experts else lm.get_submodule(name).weight
-        _record(known, name if name in experts else f"{name}.weight", name, weight)
-        if release is not None and name not in experts:
-            release(name)
+        if name is not None:
+            _quantize_now(lm, todo[name], name, experts, (release, known))
 
     stream(arrived)
 
 
-def _finish_report(lm: nn.Module, report: QuantReport, tp: TpView | None, known: _Known) -> None:
+def _quantize_now(
+    lm: nn.Module, choice: Choice, name: str, experts: set[str], how: tuple[Callable[[str], None] | None, Known]
+) -> None:
+    """Round to nearest ``name`` now, recorded while whole, then handed to ``release`` (``how``)."""
+    release, known = how
+    _apply(lm, choice, {name}, experts)
+    weight = lm.get_parameter(name) if name in experts else lm.get_submodule(name).weight
+    record(known, name if name in experts else f"{name}.weight", name, weight)
+    if release is not None and name not in experts:
+        release(name)
+
+
+def _finish_report(lm: nn.Module, report: QuantReport, tp: TpView | None, known: Known) -> None:
     """The quantized parameters, their bytes, the ranks' agreement, and one log line each for skips and totals
     (``known``: weights hashed and measured whole as they arrived)."""
     whole = {n: known.bytes.get(n.removesuffix(".weight")) for n in known.inner}

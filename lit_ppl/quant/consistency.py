@@ -8,6 +8,7 @@ refuses ranks that hold different weights (:class:`RankMismatchError`): their re
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 from lit_ppl.errors import UserError
 from lit_ppl.parallel.ranks import world
-from lit_ppl.runtime.memory import inner_tensors
+from lit_ppl.runtime.memory import inner_tensors, tensor_bytes
 
 
 class RankMismatchError(UserError, RuntimeError):
@@ -136,3 +137,20 @@ def broadcast_from_rank0(lm: nn.Module, names: list[str]) -> None:
         box = [getattr(mod, attr).detach().cpu() if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         setattr(mod, attr, nn.Parameter(box[0].to(device), requires_grad=False))
+
+
+@dataclass
+class Known:
+    """What was read of weights quantized as they arrived, while each was whole: per parameter its inner tensors'
+    and its values' digests, per layer its bytes (after that, a rank may hold only its rows)."""
+
+    inner: dict[str, str] = field(default_factory=dict)
+    values: dict[str, str | None] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+
+def record(known: Known, key: str, layer: str, weight: Any) -> None:
+    """What is kept of a quantized weight while it is whole: its inner tensors' and values' digests, its bytes."""
+    known.inner[key] = digest(weight)
+    known.values[key] = value_digest(weight) or known.inner[key]  # whole_digest's fallback, taken whole
+    known.bytes[layer] = tensor_bytes(weight)

@@ -55,18 +55,24 @@ class Quantizer:
         return set(todo) | {n for n, entry in report.items() if entry.get("tied_to") in todo}
 
     def held_by_rows(self, lm: nn.Module, device: Any) -> list[str]:
-        """The decoder ``nn.Linear`` layers its calibrated methods quantize (``quant=auto`` aside: it measures whole
-        models): under FSDP their float weights are held by rows while it calibrates
+        """The decoder ``nn.Linear`` layers its calibrated methods quantize (``quant=auto``: every one some scheme
+        can take, measured as candidates): under FSDP their float weights are held by rows while it calibrates
         (:mod:`lit_ppl.parallel.float_rows`)."""
         from lit_ppl.quant.calibrated.stream import block_of
 
-        if not self.calibrates or self.config.name == "auto":
+        if not self.calibrates:
             return []
         cfg, modules = self.config, dict(lm.named_modules())
-        todo, _, _ = assign(lm, rules_from_cfg(cfg), cfg.backend, cfg.group_fallback, device)
-        return sorted(
-            n for n, c in todo.items() if c.method.calibrated and block_of(n) and type(modules.get(n)) is nn.Linear
-        )
+        if cfg.name == "auto":
+            from lit_ppl.quant.auto.candidates import kind_rules
+
+            kinds = [k for k in cfg.schemes if k != "none"]
+            rules = [kind_rules(lm, cfg, k) for k in kinds]
+            todo = {n: True for r in rules for n in assign(lm, r, cfg.backend, cfg.group_fallback, device)[0]}
+        else:
+            todo = assign(lm, rules_from_cfg(cfg), cfg.backend, cfg.group_fallback, device)[0]
+            todo = {n: c.method.calibrated for n, c in todo.items()}
+        return sorted(n for n, held in todo.items() if held and block_of(n) and type(modules.get(n)) is nn.Linear)
 
     def read(self, full: dict[str, Any]) -> Any:
         """The reader's part (rank 0, on the whole checkpoint as read), handed to every rank's :meth:`quantize`."""

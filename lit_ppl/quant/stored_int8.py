@@ -5,7 +5,7 @@ quantized weight as its exact float values ``qdata × scale`` together with its 
 re-creates the ``Int8Tensor`` of the slice it holds from those scales (a row-wise tensor-parallel slice keeps the
 full row's scale). The codes are recovered exactly: each rank checks that ``codes × scale`` gives back the float
 values bit for bit, which holds only for the stored codes, and refuses the checkpoint otherwise. The rows are then
-sharded by :func:`lit_ppl.parallel.sharding.shard_quantized_rows` like on-the-fly quantized ones, and the ranks'
+sharded by :func:`lit_ppl.parallel.quantized_rows.shard_quantized_rows` like on-the-fly quantized ones, and the ranks'
 agreement is hashed like theirs (:mod:`lit_ppl.quant.consistency`).
 """
 

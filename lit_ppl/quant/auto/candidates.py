@@ -16,13 +16,15 @@ the weight, and restores the float ones.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from lit_ppl.config.quant import QuantConfig
+from lit_ppl.parallel.float_rows import rows_group, whole_weight
+from lit_ppl.parallel.quantized_rows import QuantizedRows
 from lit_ppl.quant.assign import Rule, assign, rules_from_cfg
 from lit_ppl.quant.calibrated.stream import Where
 from lit_ppl.quant.calibrated.text import Calibration
@@ -41,7 +43,7 @@ class Candidates:
         self.twins: dict[str, list[str]] = {}  # a tied weight's first module -> the others holding it
         self.routed = False  # some candidates are groups of experts, behind a router
         for kind in kinds:
-            todo, report, targets = assign(lm, _rules(lm, cfg, kind), cfg.backend, cfg.group_fallback)
+            todo, report, targets = assign(lm, kind_rules(lm, cfg, kind), cfg.backend, cfg.group_fallback)
             self.routed = self.routed or any(targets[n].kind == "experts" for n in todo)
             for name, entry in report.items():
                 if "tied_to" in entry and name not in self.twins.setdefault(entry["tied_to"], []):
@@ -84,14 +86,23 @@ class Candidates:
         key = f"{name}:{kind}"
         if key in self.solved:
             return self.solved[key], None
-        weight = self.tensor(name).detach()
+        weight = whole_weight(self.tensor(name)).detach()  # gathered where held by rows (every rank, in order)
         quantized, pre = choice.method.candidate(weight, choice, self.stats.get(name), self.cfg)
         if choice.method.costly:  # solved once, kept (a layer's quantized bytes) for every round
             self.solved[key] = quantized
         return quantized, pre
 
+    def held(self, name: str, kind: str) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor | None]:
+        """:meth:`weight`, by rows where the float weight is held by rows (:mod:`lit_ppl.parallel.float_rows`): this
+        rank's rows of the quantized weight, gathered when used; a layout torchao does not split by rows whole."""
+        weight, pre = self.weight(name, kind)
+        group = rows_group(self.tensor(name))
+        if group is None or type(weight) is torch.Tensor or not QuantizedRows.splits(weight):
+            return weight, pre
+        return QuantizedRows(weight, group), pre
 
-def _rules(lm: nn.Module, cfg: QuantConfig, kind: str) -> list[Rule]:
+
+def kind_rules(lm: nn.Module, cfg: QuantConfig, kind: str) -> list[Rule]:
     """The rules of the uniform scheme ``kind`` (int4 by ``quant.method``, int8 by round-to-nearest); with
     ``quant.auto_embeddings`` the head and the embeddings take it too, by round-to-nearest."""
     method = cfg.method if kind == "int4" else RTN.name
@@ -118,9 +129,12 @@ def weight_slot(lm: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 @contextmanager
-def installed(lm: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> Iterator[None]:
+def installed(
+    lm: nn.Module, weights: dict[str, tuple[torch.Tensor | QuantizedRows, torch.Tensor | None]]
+) -> Iterator[None]:
     """The model with these layers' weights (and AWQ input pre-scales) swapped in, restored on exit; a weight
-    other modules share (a tied head and embedding table) is swapped in each of them, so the tie holds."""
+    other modules share (a tied head and embedding table) is swapped in each of them, so the tie holds. A weight
+    held by rows (:meth:`Candidates.held`) is gathered for each call of its layer and dropped after."""
     sharing: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in lm.modules() if weights else ():
         for attr, held in module.named_parameters(recurse=False):
@@ -130,10 +144,14 @@ def installed(lm: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor
     try:
         for name, (weight, pre) in weights.items():
             module, attr = weight_slot(lm, name)
-            new = nn.Parameter(weight, requires_grad=False)
+            rows = weight if isinstance(weight, QuantizedRows) else None
+            new = nn.Parameter(weight.mine() if rows is not None else weight, requires_grad=False)
             for holder, held in sharing.get(id(getattr(module, attr)), [(module, attr)]):
                 saved.append((holder, held, getattr(holder, held)))
                 setattr(holder, held, new)
+            if rows is not None:  # after the float rows' hooks, which leave a weight not held by them as it is
+                handles.append(module.register_forward_pre_hook(_putter(attr, rows.whole)))
+                handles.append(module.register_forward_hook(_putter(attr, rows.mine)))
             if pre is not None:
                 handles.append(module.register_forward_pre_hook(lambda _, a, s=pre: (a[0] * s, *a[1:])))
         yield
@@ -142,3 +160,12 @@ def installed(lm: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor
             h.remove()
         for holder, held, weight in reversed(saved):
             setattr(holder, held, weight)
+
+
+def _putter(attr: str, make: Callable[[], torch.Tensor]) -> Callable[..., None]:
+    """A module hook that puts ``make()`` in the module's parameter ``attr``."""
+
+    def put(module: nn.Module, *_: object) -> None:
+        module._parameters[attr] = nn.Parameter(make(), requires_grad=False)
+
+    return put

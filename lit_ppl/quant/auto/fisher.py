@@ -20,13 +20,15 @@ Sums per window are float64 and added over the ranks in global batch order
 (:func:`lit_ppl.quant.calibrated.stream.ordered_sum`): the same table at any world size. Tokens are sampled from a
 generator seeded by the window's global index. Memory: every candidate is held quantized for the pass (its codes
 and scales: about a quarter of float32's bytes, an eighth for packed int4), its ``ΔW`` made when its layer's
-gradient arrives and dropped after, beside one window's activations.
+gradient arrives and dropped after; the decoder blocks run under activation checkpointing (a window holds the
+blocks' inputs, each block's activations recomputed for each backward pass). Under FSDP the float layers and the
+candidates are held by rows (:mod:`lit_ppl.parallel.float_rows`): every rank runs every window, idle past its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,6 +37,8 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from lit_ppl.model.scorer import decoder_and_head, head_fn
+from lit_ppl.parallel.float_rows import FloatRows, gathered, whole_weight
+from lit_ppl.parallel.quantized_rows import QuantizedRows
 from lit_ppl.quant.auto.candidates import Candidates, weight_slot
 from lit_ppl.quant.calibrated.stream import Where
 from lit_ppl.quant.calibrated.text import Calibration
@@ -51,14 +55,15 @@ class _Probe:
         self.layers = candidates.layers
         self.sums = torch.zeros(len(self.layers), len(kinds), 2, dtype=torch.float64)
         self.candidates = candidates
-        # Each candidate kept as built (codes and scales: a quarter of float32's bytes or less); its ΔW is
-        # made when a gradient needs it, so the pass holds one layer's ΔW, not every layer's in every scheme.
-        self.built: dict[str, list[tuple[torch.Tensor, torch.Tensor | None] | None]] = {
-            name: [None if candidates.scheme(name, kind) is None else candidates.weight(name, kind) for kind in kinds]
+        # Each candidate kept as built (codes and scales: a quarter of float32's bytes or less), by rows where the
+        # float weights are; its ΔW is made when a gradient needs it, so the pass holds one layer's ΔW, not every
+        # layer's in every scheme.
+        self.built: dict[str, list[tuple[Any, torch.Tensor | None] | None]] = {
+            name: [None if candidates.scheme(name, kind) is None else candidates.held(name, kind) for kind in kinds]
             for name in self.layers
         }
 
-    @contextmanager
+    @contextlib.contextmanager
     def hooked(self, candidates: Candidates) -> Iterator[None]:
         """The hooks in place, the weights frozen (no weight gradient is computed) and the input embeddings' output
         a leaf that needs a gradient (the backward pass reaches every layer)."""
@@ -87,14 +92,14 @@ class _Probe:
             for p in params:
                 p.requires_grad_(True)
 
-    def _watch(self, u: int, name: str, module: nn.Module) -> Callable[..., None]:
-        lookup = isinstance(module, nn.Embedding)
+    def _watch(self, u: int, name: str, layer: nn.Module) -> Callable[..., None]:
+        lookup = isinstance(layer, nn.Embedding)
 
-        def forward_hook(_: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
+        def forward_hook(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
             if out.requires_grad:
                 x = args[0]
-                change = (lambda d: F.embedding(x, d)) if lookup else (lambda d: F.linear(x, d))
-                out.register_hook(lambda g: self._add(u, name, g, change, None if lookup else x))
+                change = (lambda d, _: F.embedding(x, d)) if lookup else (lambda d, _: F.linear(x, d))
+                out.register_hook(lambda g: self._add(u, name, g, change, module, None if lookup else x))
 
         return forward_hook
 
@@ -106,8 +111,8 @@ class _Probe:
             first = _first(out)
             if first.requires_grad:
                 inputs, base = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs)), first.detach()
-                changed = lambda d: _first(_with(module, owner, attr, d, inputs)) - base  # noqa: E731
-                first.register_hook(lambda g: self._add(u, name, g, changed))
+                changed = lambda d, w: _first(_with(module, owner, attr, w + d, inputs)) - base  # noqa: E731
+                first.register_hook(lambda g: self._add(u, name, g, changed, module))
 
         return forward_hook
 
@@ -116,37 +121,79 @@ class _Probe:
         u: int,
         name: str,
         g: torch.Tensor,
-        change: Callable[[torch.Tensor], torch.Tensor],
+        change: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        scope: nn.Module,
         x: torch.Tensor | None = None,
     ) -> None:
-        """Per scheme, ``½ Σ (g·Δy)²`` or ``Σ g·Δy`` with ``Δy = change(ΔW)``; ``x``: a linear layer's input."""
-        with torch.no_grad():
+        """Per scheme, ``½ Σ (g·Δy)²`` or ``Σ g·Δy`` with ``Δy = change(ΔW, float weight)``; ``scope``: the module
+        ``change`` runs (its weights held by rows gathered once for every scheme); ``x``: a linear layer's input."""
+        with torch.no_grad(), gathered(scope):
             g = g.float()
             # A linear layer's text term Σ g·(x ΔWᵀ) is ⟨ΔW, gᵀx⟩: one product per layer, whatever the schemes.
             grad_w = None if self.mode == 0 or x is None else g.flatten(0, -2).T @ x.flatten(0, -2).float()
-            float_weight = self.candidates.tensor(name).detach()
+            float_weight = whole_weight(self.candidates.tensor(name)).detach()  # whole: in scope
             for j, built in enumerate(self.built[name]):
                 if built is None:
                     continue
-                delta = _delta(*built, float_weight)
+                weight, pre = built
+                delta = _delta(weight.whole() if isinstance(weight, QuantizedRows) else weight, pre, float_weight)
                 if grad_w is not None:
                     term = grad_w * delta.float()
                 else:
-                    term = g * change(delta).float()
+                    term = g * change(delta, float_weight).float()
                     if self.mode == 0:
                         term = 0.5 * term.square_()
                 self.sums[u, j, self.mode] += term.sum(dtype=torch.float64).cpu()
 
 
-def _with(module: nn.Module, owner: nn.Module, attr: str, delta: torch.Tensor, inputs: tuple[tuple, dict]) -> Any:
-    """``module``'s output on ``inputs`` (args, kwargs) with ``delta`` added to ``owner``'s weight ``attr`` (``owner``:
-    ``module`` or one of its submodules), restored after."""
+def _with(module: nn.Module, owner: nn.Module, attr: str, weight: torch.Tensor, inputs: tuple[tuple, dict]) -> Any:
+    """``module``'s output on ``inputs`` (args, kwargs) with ``owner``'s weight ``attr`` replaced by ``weight``
+    (``owner``: ``module`` or one of its submodules), restored after."""
     float_weight = getattr(owner, attr)
-    setattr(owner, attr, nn.Parameter(float_weight + delta, requires_grad=False))
+    setattr(owner, attr, nn.Parameter(weight, requires_grad=False))
     try:
         return module(*inputs[0], **inputs[1])
     finally:
         setattr(owner, attr, float_weight)
+
+
+class _Recomputed(nn.Module):
+    """Stands in for a decoder block during a window: its forward under activation checkpointing (its inner
+    activations recomputed for each backward pass instead of held), its attributes the block's."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "block", block)  # not a submodule: the model's module names stay as they are
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "block"), name)
+
+
+@contextlib.contextmanager
+def recomputed(lm: nn.Module, blocks: str | None) -> Iterator[None]:
+    """The decoder blocks of the list ``blocks`` (``model.layers``; ``None``: none) run under activation
+    checkpointing: a window holds the blocks' inputs, not every block's activations (the whole recomputation, not
+    stopped early: a layer's weight gathered by rows is released by its forward hook)."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    layers = lm.get_submodule(blocks) if blocks is not None else []
+    saved = list(layers)
+    for i, block in enumerate(saved):
+        layers[i] = _Recomputed(block)
+    try:
+        with set_checkpoint_early_stop(False):
+            yield
+    finally:
+        for i, block in enumerate(saved):
+            layers[i] = block
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -205,25 +252,47 @@ def _window(
 
 
 def estimate_layers(
-    lm: nn.Module, candidates: Candidates, calibration: Calibration, kinds: list[str], at: Where, chunk: int
+    lm: nn.Module,
+    candidates: Candidates,
+    calibration: Calibration,
+    kinds: list[str],
+    at: Where,
+    chunk: int,
+    blocks: str | None = None,
+    lockstep: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """Per step of this rank's calibration batches, candidate and scheme ``(Σ KLD, Σ ΔNLL, 0, tokens)`` estimated
-    (float64, the layout :func:`lit_ppl.quant.auto.table.table_from_sums` reads), and the windows it took."""
+    (float64, the layout :func:`lit_ppl.quant.auto.table.table_from_sums` reads), and the windows it took.
+    ``blocks``: the decoder's block list, run under activation checkpointing (:func:`recomputed`).
+    ``lockstep``: layers are held by rows (:mod:`lit_ppl.parallel.float_rows`), so every rank runs as many windows
+    per step as the rank with the most (the others idle: the first window, its sums dropped) and autograd keeps
+    references to the gathered weights, gathered again in the backward pass."""
     decoder, head = decoder_and_head(lm)
     head_call = head_fn(lm, head)
     device = next(lm.parameters()).device
     probe = _Probe(lm, candidates, kinds)
     local = torch.zeros(calibration.steps(at.size), len(probe.layers), len(kinds), 4, dtype=torch.float64)
-    windows = 0
-    with probe.hooked(candidates):
-        for k, ids in enumerate(calibration.batches(at.rank, at.size)):
-            input_ids, real = calibration.batch(ids, device)
-            targets = calibration.targets(ids, device)
-            for row in range(input_ids.shape[0]):
-                n = int(real[row].sum())
-                generator = torch.Generator(device=device).manual_seed(SEED + ids[row])
+    windows, mine = 0, calibration.batches(at.rank, at.size)
+    every = [calibration.batches(r, at.size) for r in range(at.size)] if lockstep else [mine]
+    idle = calibration.batches(0, 1)[0][:1]
+    regathered = FloatRows.regathered() if lockstep else contextlib.nullcontext()
+    with probe.hooked(candidates), recomputed(lm, blocks), regathered:
+        for k in range(len(local)):
+            ids = mine[k] if k < len(mine) else []
+            rows = max((len(b[k]) for b in every if k < len(b)), default=0)
+            if not rows:
+                continue
+            input_ids, real = calibration.batch(ids or idle, device)
+            targets = calibration.targets(ids or idle, device)
+            for row in range(rows):
+                real_row = row < len(ids)
+                r = row if real_row else 0
+                n = int(real[r].sum())
+                generator = torch.Generator(device=device).manual_seed(SEED + (ids or idle)[r])
                 probe.sums.zero_()
-                _window(decoder, head_call, input_ids[row : row + 1, :n], targets[row, :n], probe, chunk, generator)
+                _window(decoder, head_call, input_ids[r : r + 1, :n], targets[r, :n], probe, chunk, generator)
+                if not real_row:  # an idle window: its gathers had every rank, its sums are not this rank's
+                    continue
                 kld, first = probe.sums.unbind(-1)
                 local[k, :, :, 0] += kld
                 local[k, :, :, 1] += kld - first  # ΔNLL = −Σ g_text·Δy + KLD (g: of log p)

@@ -73,6 +73,7 @@ def _table(
     kinds: list[str],
     fingerprint: dict,
     at: Where,
+    lockstep: bool,
 ) -> tuple[Table, int]:
     """The sensitivity table (with the passes it took): none when no layer has a choice, reused, or measured."""
     if not any(len(u) > 1 for u in unit_options(candidates, kinds, {}, "none" in cfg.schemes)):
@@ -88,7 +89,7 @@ def _table(
             "layers before a router; the whole-assignment rounds check the choice, and "
             "quant.sensitivity_method=exact measures each candidate"
         )
-    local, windows = estimate_layers(lm, candidates, calibration, kinds, at, meter.chunk_size)
+    local, windows = estimate_layers(lm, candidates, calibration, kinds, at, meter.chunk_size, meter.blocks, lockstep)
     return table_from_sums(ordered_sum(local.to(next(lm.parameters()).device), at).cpu(), candidates, kinds), windows
 
 
@@ -159,10 +160,11 @@ def _check_quantizes(budget: Budget, quantized: dict[str, Any], layers: list[str
 
 
 def choose_policy(
-    lm: nn.Module, cfg: QuantConfig, calibration: Calibration, at: Where
+    lm: nn.Module, cfg: QuantConfig, calibration: Calibration, at: Where, lockstep: bool = False
 ) -> tuple[QuantConfig, dict[str, Any]]:
     """The ``quant=policy`` config that holds the fewest bytes within ``cfg``'s budget, and the facts for
-    ``results.json`` (``quant.auto``); ``at``: this rank's share of the calibration batches."""
+    ``results.json`` (``quant.auto``); ``at``: this rank's share of the calibration batches; ``lockstep``: layers
+    are held by rows (:mod:`lit_ppl.parallel.float_rows`), every rank runs every pass."""
     t0 = time.perf_counter()
     budget = Budget.from_config(cfg)
     kinds = [k for k in cfg.schemes if k != "none"]
@@ -172,13 +174,14 @@ def choose_policy(
         raise LitPplError(f"quant=auto finds no linear layer that {', '.join(kinds)} can take in {type(lm).__name__}")
     lists = {b[0] for b in map(block_of, layers) if b is not None}
     chunk = auto_chunk("auto", lm.get_output_embeddings().weight.shape[0], CHUNK_BUDGET_MB, "compare")
-    meter = Meter(lm, calibration, at.rank, at.size, chunk, lists.pop() if len(lists) == 1 else None)
+    blocks = lists.pop() if len(lists) == 1 else None
+    meter = Meter(lm, calibration, at.rank, at.size, chunk, blocks, lockstep)
     device = next(lm.parameters()).device
 
     def measured(quantized: dict[str, str]) -> tuple[float, float]:
         """The budget's cost of these layers quantized together, on every rank's calibration tokens, and its
         upper confidence bound."""
-        with installed(lm, {n: candidates.weight(n, k) for n, k in quantized.items()}):
+        with installed(lm, {n: candidates.held(n, k) for n, k in quantized.items()}):
             units = ordered_rows(meter.measure().to(device), at).cpu()
         return budget.cost(units), budget.bound(units)
 
@@ -194,7 +197,7 @@ def choose_policy(
     }
     cfg = with_sibling_table(cfg, fingerprint)  # a -m sweep: a sibling job measured this table already
     t1 = time.perf_counter()
-    table, passes = _table(lm, cfg, candidates, meter, calibration, kinds, fingerprint, at)
+    table, passes = _table(lm, cfg, candidates, meter, calibration, kinds, fingerprint, at, lockstep)
     t2 = time.perf_counter()
     options = unit_options(candidates, kinds, table, "none" in cfg.schemes)
     _check_reachable(budget, layers, options, cfg, bool(cfg.sensitivity and table))
@@ -203,6 +206,7 @@ def choose_policy(
     _check_quantizes(budget, quantized, layers, options)
     policy = policy_node(cfg, quantized)
     seconds = {"passes": passes, "replayed_blocks": meter.replay, "seconds_candidates": t1 - t0}
+    seconds |= {"held_by_rows": lockstep}
     seconds |= {"seconds_layers": t2 - t1, "seconds": time.perf_counter() - t0}
     info = _facts(
         candidates, budget, layers, options, kinds, chosen, quantized, table, rounds, fingerprint, cfg, seconds

@@ -65,6 +65,8 @@ class Meter:
         calibration: the calibration text; ``rank``/``world_size``: this rank's share of its batches.
         chunk_size: positions per chunk of the float64 statistics (:func:`lit_ppl.model.nll.auto_chunk`).
         blocks: the decoder's block list (``model.layers``), or ``None``: every measurement is a whole forward.
+        lockstep: layers are held by rows (:mod:`lit_ppl.parallel.float_rows`): every rank runs a forward per
+            step, a rank past its last batch an idle one (the first global batch, measured and dropped).
     """
 
     def __init__(
@@ -75,19 +77,24 @@ class Meter:
         world_size: int,
         chunk_size: int,
         blocks: str | None,
+        lockstep: bool = False,
     ) -> None:
         self.lm, self.chunk_size, self.steps = lm, chunk_size, calibration.steps(world_size)
+        self.world_size, self.device = world_size, next(lm.parameters()).device
         spec = calibration.spec.config
         self.units = -(-spec.batch_size * spec.seq_len // UNIT)  # the most a batch has: the same on every rank
         self.decoder, head = decoder_and_head(lm)
-        device = next(lm.parameters()).device
+        device = self.device
         self.batches = []
-        for ids in calibration.batches(rank, world_size):
+        mine = calibration.batches(rank, world_size)
+        self.real = len(mine)  # batches past these are idle
+        for ids in mine + calibration.batches(0, 1)[:1] * (self.steps - len(mine) if lockstep else 0):
             input_ids, real = calibration.batch(ids, device)
             self.batches.append((input_ids, real, calibration.targets(ids, device)[real]))
         weight, bias, (scale, cap) = head.weight, head.bias, logit_transform(lm.config)
         self.head_base = lambda h: transform(F.linear(h, weight, bias), scale, cap)  # the float head, kept
         self.head = head_fn(lm, head)  # whatever weight the head holds now
+        self.blocks = blocks
         self.layers = lm.get_submodule(blocks) if blocks is not None else None
         self.box: list[Any] = [None]
         self.kept: list[Any] = []  # per batch: the float output of block ``self.at - 1``
@@ -142,7 +149,7 @@ class Meter:
         finally:
             handle.remove()
         self.kept, self.at = kept, block
-        if self.batches and not self._replays_float():
+        if not self._agreed(self._replays_float() if self.batches else True):
             log.warning(
                 "sensitivity: replaying %s's blocks from block %d does not reproduce the float model; measuring "
                 "each layer by whole forward passes",
@@ -150,6 +157,16 @@ class Meter:
                 block,
             )
             self.replay, self.kept, self.at = False, [], 0
+
+    def _agreed(self, ok: bool) -> bool:
+        """Whether every rank's check passed (collective where there are ranks): they measure alike."""
+        if self.world_size == 1:
+            return ok
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(ok)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _replays_float(self) -> bool:
         """The replay from the current block, with float weights, gives the float hidden states (first batch)."""
@@ -176,6 +193,8 @@ class Meter:
             for k, (input_ids, real, targets) in enumerate(self.batches):
                 self.box[0] = self.kept[k] if replay and self.at else None
                 hidden = self._hidden(input_ids, real)
+                if k >= self.real:  # an idle forward: its gathers had every rank, its figures are not this rank's
+                    continue
                 st = token_stats(hidden, self.reference[k], targets, self.head, self.head_base, self.chunk_size)
                 parts = [st["kld"], st["nll"], st["nll_base"], torch.ones_like(st["nll"])]
                 for i, part in enumerate(parts):
