@@ -40,6 +40,7 @@ from lit_ppl.model.scorer import decoder_and_head, head_fn
 from lit_ppl.parallel.float_rows import FloatRows, gathered, whole_weight
 from lit_ppl.parallel.quantized_rows import QuantizedRows
 from lit_ppl.quant.auto.candidates import Candidates, weight_slot
+from lit_ppl.quant.auto.sensitivity import StandIn
 from lit_ppl.quant.calibrated.stream import Where
 from lit_ppl.quant.calibrated.text import Calibration
 
@@ -157,24 +158,14 @@ def _with(module: nn.Module, owner: nn.Module, attr: str, weight: torch.Tensor, 
         setattr(owner, attr, float_weight)
 
 
-class _Recomputed(nn.Module):
+class _Recomputed(StandIn):
     """Stands in for a decoder block during a window: its forward under activation checkpointing (its inner
-    activations recomputed for each backward pass instead of held), its attributes the block's."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        object.__setattr__(self, "block", block)  # not a submodule: the model's module names stay as they are
+    activations recomputed for each backward pass instead of held)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch.utils.checkpoint import checkpoint
 
         return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(object.__getattribute__(self, "block"), name)
 
 
 @contextlib.contextmanager

@@ -38,22 +38,30 @@ UNIT = BOUND_UNIT  # scored tokens per unit of a measurement's variance (a batch
 REPLAY_TOLERANCE = 1e-4  # largest |Δ hidden| / max |hidden| of a float replay: rounding, not another function
 
 
-class _Replay(nn.Module):
-    """Stands in for a decoder block the variant leaves unchanged: returns the block output kept for the batch."""
+class StandIn(nn.Module):
+    """Stands in for a decoder block in its block list: the architecture's own loop calls it and reads the block's
+    attributes through it (e.g. ``attention_type``); the block is not a submodule, so module names stay as they are."""
 
-    def __init__(self, block: nn.Module, box: list[Any]) -> None:
+    def __init__(self, block: nn.Module) -> None:
         super().__init__()
-        object.__setattr__(self, "block", block)  # not a submodule: the model's module names stay as they are
-        object.__setattr__(self, "box", box)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.box[0]
+        object.__setattr__(self, "block", block)
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(object.__getattribute__(self, "block"), name)
+
+
+class _Replay(StandIn):
+    """Stands in for a decoder block the variant leaves unchanged: returns the block output kept for the batch."""
+
+    def __init__(self, block: nn.Module, box: list[Any]) -> None:
+        super().__init__(block)
+        object.__setattr__(self, "box", box)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.box[0]
 
 
 class Meter:
