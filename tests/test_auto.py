@@ -193,7 +193,7 @@ def test_the_knapsack_finds_the_fewest_bytes_within_the_budget():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["fisher", "exact"])
+@pytest.mark.parametrize("method", ["fisher", "exact"])  # exact: with int4 by GPTQ
 def test_two_fsdp_ranks_choose_what_one_rank_chooses(compose, tmp_path, method):
     """Under fsdp × 2 each rank holds its rows of the float decoder layers and measures its share of the calibration
     batches, summed in global batch order: the same sensitivities bit for bit (deterministic mode), so the same
@@ -209,6 +209,7 @@ def test_two_fsdp_ranks_choose_what_one_rank_chooses(compose, tmp_path, method):
         "eval.deterministic=true",
         "quant.calibration.batch_size=4",
         f"quant.sensitivity_method={method}",
+        *(["quant.method=gptq"] if method == "exact" else []),  # GPTQ's solved candidates kept by rows
     )
     one = evaluate(compose(*args))
     proc, two = run_entry([*args, "strategy=fsdp", "trainer.devices=2"], tmp_path / "two", timeout=600)

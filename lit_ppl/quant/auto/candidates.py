@@ -81,25 +81,25 @@ class Candidates:
         return None if chosen is None else (chosen.scheme, chosen.method.name)
 
     def weight(self, name: str, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(quantized weight, input pre-scale or None)`` of ``name`` under ``kind``."""
+        """``(quantized weight, input pre-scale or None)`` of ``name`` under ``kind``, whole."""
+        weight, pre = self.held(name, kind)
+        return (weight.whole() if isinstance(weight, QuantizedRows) else weight), pre
+
+    def held(self, name: str, kind: str) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor | None]:
+        """:meth:`weight`, by rows where the float weight is held by rows (:mod:`lit_ppl.parallel.float_rows`): this
+        rank's rows of the quantized weight, gathered when used; a layout torchao does not split by rows whole."""
         choice = self.choices[kind][name]
         key = f"{name}:{kind}"
         if key in self.solved:
             return self.solved[key], None
         weight = whole_weight(self.tensor(name)).detach()  # gathered where held by rows (every rank, in order)
         quantized, pre = choice.method.candidate(weight, choice, self.stats.get(name), self.cfg)
-        if choice.method.costly:  # solved once, kept (a layer's quantized bytes) for every round
+        group = rows_group(self.tensor(name))
+        if group is not None and type(quantized) is not torch.Tensor and QuantizedRows.splits(quantized):
+            quantized = QuantizedRows(quantized, group)
+        if choice.method.costly:  # solved once, kept (a layer's quantized bytes, by rows where held so) every round
             self.solved[key] = quantized
         return quantized, pre
-
-    def held(self, name: str, kind: str) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor | None]:
-        """:meth:`weight`, by rows where the float weight is held by rows (:mod:`lit_ppl.parallel.float_rows`): this
-        rank's rows of the quantized weight, gathered when used; a layout torchao does not split by rows whole."""
-        weight, pre = self.weight(name, kind)
-        group = rows_group(self.tensor(name))
-        if group is None or type(weight) is torch.Tensor or not QuantizedRows.splits(weight):
-            return weight, pre
-        return QuantizedRows(weight, group), pre
 
 
 def kind_rules(lm: nn.Module, cfg: QuantConfig, kind: str) -> list[Rule]:

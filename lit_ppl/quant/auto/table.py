@@ -44,7 +44,7 @@ def measure_layers(
         last = where
         for j, kind in enumerate(kinds):
             if candidates.scheme(name, kind) is not None:
-                with installed(lm, {name: candidates.weight(name, kind)}):
+                with installed(lm, {name: candidates.held(name, kind)}):
                     local[:, u, j] = meter.measure(where[1] if where else None).sum(1)
                 passes += 1
     return table_from_sums(ordered_sum(local.to(next(lm.parameters()).device), at).cpu(), candidates, kinds), passes
