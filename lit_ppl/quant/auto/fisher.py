@@ -256,8 +256,8 @@ def estimate_layers(
     (float64, the layout :func:`lit_ppl.quant.auto.table.table_from_sums` reads), and the windows it took.
     ``blocks``: the decoder's block list, run under activation checkpointing (:func:`recomputed`).
     ``lockstep``: layers are held by rows (:mod:`lit_ppl.parallel.float_rows`), so every rank runs as many windows
-    per step as the rank with the most (the others idle: the first window, its sums dropped) and autograd keeps
-    references to the gathered weights, gathered again in the backward pass."""
+    per step as the rank with the most (its extra ones idle: a window run again, its sums dropped) and autograd
+    keeps references to the gathered weights, gathered again in the backward pass."""
     decoder, head = decoder_and_head(lm)
     head_call = head_fn(lm, head)
     device = next(lm.parameters()).device
