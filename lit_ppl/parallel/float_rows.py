@@ -75,8 +75,12 @@ def gathered(module: nn.Module) -> Iterator[None]:
             m._parameters["weight"] = rows
 
 
-def whole_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` whole: gathered if it is held by rows (collective), else itself."""
+def whole_weight(weight: Any) -> torch.Tensor:
+    """``weight`` whole: gathered if it is held by rows, float or quantized (collective), else itself."""
+    from lit_ppl.parallel.quantized_rows import QuantizedRows
+
+    if isinstance(weight, QuantizedRows):
+        return weight.whole()
     return weight.full_tensor() if _is_rows(weight) else weight
 
 

@@ -71,15 +71,13 @@ class QuantizedRows:
 
 
 class RowShard:
-    """Keep rows ``[rank]`` of a module's quantized weight (:class:`QuantizedRows`); gather them back around the
-    module's forward."""
+    """A module's quantized weight held as ``rows`` (this rank's, in its place); gathered around the module's
+    forward (``handles``: the two hooks, for a caller that puts the module back)."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup) -> None:
-        self.rows = QuantizedRows(module.weight, group)
-        module._parameters["weight"] = nn.Parameter(self.rows.mine(), requires_grad=False)
-        module._lit_ppl_rows = self  # sharded: shard_quantized_rows passes it by
-        module.register_forward_pre_hook(self.gather)
-        module.register_forward_hook(self.release)
+    def __init__(self, module: nn.Module, rows: QuantizedRows) -> None:
+        self.rows = rows
+        module._parameters["weight"] = nn.Parameter(rows.mine(), requires_grad=False)
+        self.handles = [module.register_forward_pre_hook(self.gather), module.register_forward_hook(self.release)]
 
     def gather(self, module: nn.Module, args: object) -> None:
         module._parameters["weight"] = nn.Parameter(self.rows.whole(), requires_grad=False)
@@ -99,4 +97,4 @@ def shard_quantized_rows(lm: nn.Module, names: list[str], group: dist.ProcessGro
         owner = modules[name.removesuffix(".weight")]
         linear = isinstance(owner, nn.Linear) and name.endswith(".weight") and owner is not head
         if linear and not hasattr(owner, "_lit_ppl_rows"):  # not sharded already, as it arrived
-            RowShard(owner, group)
+            owner._lit_ppl_rows = RowShard(owner, QuantizedRows(owner.weight, group))

@@ -67,11 +67,11 @@ def quantize_model(
     report = QuantReport(name=cfg.name, source=cfg.source)
     report.weight_bytes_before = sum(tensor_bytes(p) for _, p in lm.named_parameters())
     report.converted = to_plain_linear(lm)
+    by_rows = rows is not None and bool(rows.handles)  # layers held by rows: every rank runs every pass
     if cfg.name == "auto":  # measured, then applied as the policy it chose
         from lit_ppl.quant.auto.search import choose_policy
 
-        lockstep = rows is not None and bool(rows.handles)
-        cfg, report.auto = choose_policy(lm, cfg, calibration, _where(*world(), tp), lockstep)
+        cfg, report.auto = choose_policy(lm, cfg, calibration, _where(*world(), tp), by_rows)
     todo, report.modules, targets = assign(lm, rules_from_cfg(cfg), cfg.backend, cfg.group_fallback, device)
     _check_assigned(lm, report, todo, targets)
     before = {n: tensor_bytes(t.weight(lm)) for n, t in targets.items()}
@@ -89,7 +89,7 @@ def quantize_model(
     known = Known()
     _calibrate(lm, todo, calibration, report, (rank, size, broadcast), cfg, tp, (rows, release, known))
     free = todo
-    if rows is not None and rows.handles:  # quant=auto's policy: the layers it does not calibrate, still by rows
+    if by_rows and rows.handles:  # quant=auto's policy: the layers it did not calibrate, still by rows
         done = _held_by_blocks(lm, todo, experts, report, (rows, release, known))
         free = {n: c for n, c in todo.items() if n not in done}
     if stream is None:

@@ -16,7 +16,7 @@ the weight, and restores the float ones.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -24,7 +24,7 @@ from torch import nn
 
 from lit_ppl.config.quant import QuantConfig
 from lit_ppl.parallel.float_rows import rows_group, whole_weight
-from lit_ppl.parallel.quantized_rows import QuantizedRows
+from lit_ppl.parallel.quantized_rows import QuantizedRows, RowShard
 from lit_ppl.quant.assign import Rule, assign, rules_from_cfg
 from lit_ppl.quant.calibrated.stream import Where
 from lit_ppl.quant.calibrated.text import Calibration
@@ -83,7 +83,7 @@ class Candidates:
     def weight(self, name: str, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(quantized weight, input pre-scale or None)`` of ``name`` under ``kind``, whole."""
         weight, pre = self.held(name, kind)
-        return (weight.whole() if isinstance(weight, QuantizedRows) else weight), pre
+        return whole_weight(weight), pre
 
     def held(self, name: str, kind: str) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor | None]:
         """:meth:`weight`, by rows where the float weight is held by rows (:mod:`lit_ppl.parallel.float_rows`): this
@@ -150,8 +150,7 @@ def installed(
                 saved.append((holder, held, getattr(holder, held)))
                 setattr(holder, held, new)
             if rows is not None:  # after the float rows' hooks, which leave a weight not held by them as it is
-                handles.append(module.register_forward_pre_hook(_putter(attr, rows.whole)))
-                handles.append(module.register_forward_hook(_putter(attr, rows.mine)))
+                handles += RowShard(module, rows).handles
             if pre is not None:
                 handles.append(module.register_forward_pre_hook(lambda _, a, s=pre: (a[0] * s, *a[1:])))
         yield
@@ -160,12 +159,3 @@ def installed(
             h.remove()
         for holder, held, weight in reversed(saved):
             setattr(holder, held, weight)
-
-
-def _putter(attr: str, make: Callable[[], torch.Tensor]) -> Callable[..., None]:
-    """A module hook that puts ``make()`` in the module's parameter ``attr``."""
-
-    def put(module: nn.Module, *_: object) -> None:
-        module._parameters[attr] = nn.Parameter(make(), requires_grad=False)
-
-    return put

@@ -38,7 +38,6 @@ from torch.utils._pytree import tree_map_only
 
 from lit_ppl.model.scorer import decoder_and_head, head_fn
 from lit_ppl.parallel.float_rows import FloatRows, gathered, whole_weight
-from lit_ppl.parallel.quantized_rows import QuantizedRows
 from lit_ppl.quant.auto.candidates import Candidates, weight_slot
 from lit_ppl.quant.auto.sensitivity import StandIn
 from lit_ppl.quant.calibrated.stream import Where
@@ -132,12 +131,12 @@ class _Probe:
             g = g.float()
             # A linear layer's text term Σ g·(x ΔWᵀ) is ⟨ΔW, gᵀx⟩: one product per layer, whatever the schemes.
             grad_w = None if self.mode == 0 or x is None else g.flatten(0, -2).T @ x.flatten(0, -2).float()
-            float_weight = whole_weight(self.candidates.tensor(name)).detach()  # whole: in scope
+            float_weight = self.candidates.tensor(name).detach()  # whole: its scope is gathered
             for j, built in enumerate(self.built[name]):
                 if built is None:
                     continue
                 weight, pre = built
-                delta = _delta(weight.whole() if isinstance(weight, QuantizedRows) else weight, pre, float_weight)
+                delta = _delta(whole_weight(weight), pre, float_weight)
                 if grad_w is not None:
                     term = grad_w * delta.float()
                 else:

@@ -92,13 +92,12 @@ class Meter:
         spec = calibration.spec.config
         self.units = -(-spec.batch_size * spec.seq_len // UNIT)  # the most a batch has: the same on every rank
         self.decoder, head = decoder_and_head(lm)
-        device = self.device
         self.batches = []
         mine = calibration.batches(rank, world_size)
         self.real = len(mine)  # batches past these are idle
         for ids in mine + calibration.batches(0, 1)[:1] * (self.steps - len(mine) if lockstep else 0):
-            input_ids, real = calibration.batch(ids, device)
-            self.batches.append((input_ids, real, calibration.targets(ids, device)[real]))
+            input_ids, real = calibration.batch(ids, self.device)
+            self.batches.append((input_ids, real, calibration.targets(ids, self.device)[real]))
         weight, bias, (scale, cap) = head.weight, head.bias, logit_transform(lm.config)
         self.head_base = lambda h: transform(F.linear(h, weight, bias), scale, cap)  # the float head, kept
         self.head = head_fn(lm, head)  # whatever weight the head holds now
