@@ -20,7 +20,9 @@ from conftest import STORIES, TINYSTORIES, require_shared, run_entry
 from lit_ppl.config.quant import quant_config
 from lit_ppl.config.values import ConfigError, check_calibration
 from lit_ppl.errors import LitPplError
+from lit_ppl.quant.assign import assign
 from lit_ppl.quant.auto.budget import cheapest
+from lit_ppl.quant.auto.candidates import kind_rules
 from lit_ppl.quant.auto.policy import POLICY_FILE
 from lit_ppl.quant.calibrated.text import Calibration, CalibrationSpec, prepare_calibration
 from lit_ppl.quant.schemes import Scheme
@@ -224,6 +226,46 @@ def test_two_fsdp_ranks_choose_what_one_rank_chooses(compose, tmp_path, method):
     assert two["quant"]["consistency"]["digest"] == one["quant"]["consistency"]["digest"]
     assert [r["bytes"] for r in two["quant"]["auto"]["rounds"]] == [r["bytes"] for r in one["quant"]["auto"]["rounds"]]
     assert two["ppl"] == pytest.approx(one["ppl"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_choose_what_one_process_chooses(compose, tmp_path):
+    """Under tp × 2 the group measures as one process does, each rank holding its slices of the decoder layers
+    (gathered for each call) and the vocabulary's tables whole for the while: the same sensitivities (to 1e-9: the
+    ranks run without deterministic mode, which tp refuses), the same policy, and the same weights as one process
+    (AWQ's layers solved whole, the row-parallel layers' int8 quantized over whole rows, each rank keeping its
+    slice), the perplexity within tp's own rounding."""
+    from lit_ppl.run import evaluate
+
+    require_shared()
+    args = auto_args(tmp_path, "quant.budget.kld=0.02", f"data.cache_dir={tmp_path}")
+    one = evaluate(compose(*args, "eval.deterministic=true"))
+    proc, tp = run_entry([*args, "strategy=tp", "trainer.devices=2"], tmp_path / "tp", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    auto, ref = tp["quant"]["auto"], one["quant"]["auto"]
+    assert tp["parallel"]["kind"] == "tp" and auto["measurement"]["held_by_rows"]
+    assert {n: set(k) for n, k in auto["sensitivity"].items()} == {n: set(k) for n, k in ref["sensitivity"].items()}
+    for name, kinds in ref["sensitivity"].items():
+        for kind, entry in kinds.items():
+            assert auto["sensitivity"][name][kind] == pytest.approx(entry, rel=1e-9, abs=1e-15), (name, kind)
+    assert auto["policy"] == ref["policy"]
+    assert {n for n, k in auto["choice"].items() if k == "int8" and n.endswith(("o_proj", "down_proj"))}
+    assert tp["quant"]["digest"] == one["quant"]["digest"]
+    assert max(tp["rank_weight_bytes"]) < 0.6 * one["rank_weight_bytes"][0]
+    assert abs(tp["ppl"] / one["ppl"] - 1) < 1e-6, (tp["ppl"], one["ppl"])
+
+
+def test_under_tensor_parallelism_a_slice_that_would_quantize_unlike_its_rows_is_no_candidate():
+    """A row-parallel slice holding half an int4 group of its rows (g64 of 64 input features, 32 per rank) cannot
+    take int4; int8 by round to nearest it can (quantized over whole rows)."""
+    model = stories_lm(tied=True)
+    o_proj = model.get_submodule("model.layers.0.self_attn.o_proj")
+    o_proj.full_in_features, o_proj.in_features = 64, 32  # as tensor_parallel.parallelize leaves it at tp=2
+    cfg = quant_config({"name": "auto", "budget": {"kld": 0.1}, "group_size": 64, "calibration": {"path": "x"}})
+    int4, report, _ = assign(model, kind_rules(model, cfg, "int4"))
+    assert "model.layers.0.self_attn.o_proj" not in int4 and "model.layers.1.self_attn.o_proj" in int4
+    assert "int4 groups of 64 would straddle" in report["model.layers.0.self_attn.o_proj"]["rule"]
+    assert "model.layers.0.self_attn.o_proj" in assign(model, kind_rules(model, cfg, "int8"))[0]
 
 
 def test_gptq_candidates_are_the_weights_the_policy_applies(compose, tmp_path):

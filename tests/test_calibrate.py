@@ -155,19 +155,14 @@ def test_an_empty_calibration_set_is_refused(tmp_path):
         quantize.build({"name": "int8", "method": "awq"}, tokenizer())
 
 
-def test_calibration_runs_under_every_split_layout_and_auto_is_refused_only_under_tp():
+def test_calibration_and_auto_run_under_every_split_layout():
     from lit_ppl.parallel.layout import Layout
 
     layouts = [Layout(1, 2, 1), Layout(2, 2, 1), Layout(1, 1, 2), Layout(1, 2, 2)]  # fsdp, hsdp, tp, fsdp_tp
     for layout in layouts:
         for method in ("awq", "gptq"):
             quantize.check_layout(quant_config({"name": "int4", "method": method}), layout)
-        auto = quant_config({"name": "auto", "budget": {"kld": 0.01}})
-        if layout.tp == 1:
-            quantize.check_layout(auto, layout)
-        else:
-            with pytest.raises(ValueError, match=f"quant=auto with strategy layout {layout.kind}: .*quant_policy.yaml"):
-                quantize.check_layout(auto, layout)
+        quantize.check_layout(quant_config({"name": "auto", "budget": {"kld": 0.01}}), layout)
         with pytest.raises(ValueError, match=r"quant\.source=rank0 with strategy layout"):
             quantize.check_layout(quant_config({"name": "int4", "method": "awq", "source": "rank0"}), layout)
 

@@ -202,6 +202,7 @@ QUANTIZED = {  # name -> (quant, layout): each row of test_quantized_weights_are
     "int4-fsdp": (["quant=int4", "quant.group_size=32"], ["strategy=fsdp"]),
     "int4-tp": (["quant=int4", "quant.group_size=32"], ["strategy=tp"]),
     "int8-fsdp": (["quant=int8"], ["strategy=fsdp"]),
+    "int8-tp": (["quant=int8"], ["strategy=tp"]),  # row-parallel layers quantized over their whole rows
 }
 
 
@@ -249,14 +250,13 @@ def test_quantized_weights_are_sharded_and_exact(docs_file, two_ranks, compose, 
     assert r["ppl"] == pytest.approx(one["ppl"], rel=1e-6)
     assert r["quant"]["quantized_modules"] == one["quant"]["quantized_modules"]
     assert r["quant"]["consistency"]["checked"]
-    if layout == ["strategy=fsdp"]:  # each weight quantized as it was read, hashed whole, then cut to rows
+    if layout == ["strategy=fsdp"] or name == "int8-tp":  # fsdp: quantized as read, hashed whole, cut to rows
         assert r["quant"]["digest"] == one["quant"]["digest"]
         assert r["quant"]["weight_bytes_after"] == one["quant"]["weight_bytes_after"]
     # No rank holds every quantized weight (the embeddings and norms are shared out too).
     assert max(r["rank_weight_bytes"]) < 0.65 * one["rank_weight_bytes"][0], (r["rank_weight_bytes"], one)
 
 
-CAL = TINYSTORIES  # quant=auto's calibration text: refused before it is read
 BAD_LAYOUTS = [
     (["strategy=tp", "trainer.devices=3"], "parallel.tp=3 does not divide the model's 8 attention heads"),
     (["strategy=ddp", "trainer.devices=2", "parallel.tp=4"], "= 4 does not divide the world size 2"),
@@ -266,20 +266,16 @@ BAD_LAYOUTS = [
         "parallel.tp=4 does not fit within a node of 2 ranks",
     ),
     (["strategy=tp", "trainer.devices=2", "eval.deterministic=true"], "parallel.tp=2 with eval.deterministic=true"),
-    (
-        ["strategy=tp", "trainer.devices=2", "quant=auto", "quant.budget.kld=0.01", f"quant.calibration.path={CAL}"],
-        "quant=auto with strategy layout tp",
-    ),
 ]
 
 
 @pytest.mark.slow
-def test_int8_on_row_parallel_layers_is_refused(docs_file, tmp_path):
+def test_int8dq_on_row_parallel_layers_is_refused(docs_file, tmp_path):
     # Known once the model is split (which layers are row-parallel, and whether the quant rules reach them).
-    proc, r = run_entry(_args(docs_file, "strategy=tp", "trainer.devices=2", "quant=int8"), tmp_path, timeout=120)
+    proc, r = run_entry(_args(docs_file, "strategy=tp", "trainer.devices=2", "quant=int8dq"), tmp_path, timeout=120)
     assert proc.returncode != 0 and r is None
     errors = [line for line in proc.stderr.splitlines() if line.startswith("lit-ppl: error:")]
-    assert errors and "int8 scales each output row by its maximum" in errors[0], proc.stderr[-2000:]
+    assert errors and "int8dq quantizes each token's input by its maximum" in errors[0], proc.stderr[-2000:]
 
 
 # Every case in one process: each must be refused before a model loads or a rank starts, so none reaches Lightning

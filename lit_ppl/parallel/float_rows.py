@@ -1,4 +1,5 @@
-"""Float linear weights held by rows across the FSDP group while a calibrated method observes them.
+"""Float linear weights held by rows across the FSDP group while a calibrated method observes them (or by
+tensor-parallel slices while ``quant=auto`` runs a tensor-parallel group as one process).
 
 AWQ, GPTQ and ``quant=auto`` run whole forward passes over the float model and read each layer's whole weight to
 quantize it. FSDP2 would hold the float weights sharded, but it manages a block's parameters as one unit and cannot
@@ -31,18 +32,35 @@ _GATHERED: dict[int, nn.Module] = {}  # storage address of a weight gathered for
 
 
 class FloatRows:
-    """The float weights of the layers ``names`` of ``lm`` (still on the meta device) held by rows over ``mesh``."""
+    """The float weights of the layers ``names`` of ``lm`` (still on the meta device) held by rows over ``mesh``;
+    or, given ``dims``, layers holding this rank's tensor-parallel slice already (along ``dims[name]``, evenly over
+    ``mesh``), held as that slice, gathered for each call alike, and put back by :meth:`put_back`."""
 
-    def __init__(self, lm: nn.Module, names: Iterable[str], mesh: DeviceMesh) -> None:
-        from torch.distributed.tensor import Shard, distribute_tensor
+    def __init__(
+        self, lm: nn.Module, names: Iterable[str], mesh: DeviceMesh, dims: dict[str, int] | None = None
+    ) -> None:
+        from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
         self.lm, self.names = lm, list(names)
         self.handles: dict[str, list] = {}
         for name in self.names:
             module = lm.get_submodule(name)
-            rows = distribute_tensor(module.weight.detach(), mesh, [Shard(0)])  # on meta: shapes only
+            weight = module.weight.detach()
+            if dims is None:
+                rows = distribute_tensor(weight, mesh, [Shard(0)])  # on meta: shapes only
+            else:
+                rows = DTensor.from_local(weight, mesh, [Shard(dims[name])], run_check=False)
             module._parameters["weight"] = nn.Parameter(rows, requires_grad=False)
             self.handles[name] = [module.register_forward_pre_hook(_gather), module.register_forward_hook(_release)]
+
+    def put_back(self) -> None:
+        """Every layer still held back to this rank's part as a plain tensor (a tensor-parallel slice: as it was),
+        its hooks removed."""
+        for name in list(self.handles):
+            for handle in self.handles.pop(name):
+                handle.remove()
+            module = self.lm.get_submodule(name)
+            module._parameters["weight"] = nn.Parameter(module.weight.to_local(), requires_grad=False)
 
     def whole(self, name: str) -> None:
         """Layer ``name``'s whole weight, gathered for good (collective: every rank, the same order), its hooks

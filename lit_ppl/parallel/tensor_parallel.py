@@ -31,6 +31,7 @@ from lit_ppl.parallel.layout import KV_HEADS
 
 STYLES = ("colwise", "rowwise")
 KV_PROJECTIONS = ("k_proj", "v_proj")  # column-parallel layers whose output is the key/value heads
+VOCAB_PARALLEL = "_lit_ppl_vocab_parallel"  # an embedding's attribute (outside nn.Module's registries): its hooks
 
 
 @dataclass(frozen=True)
@@ -75,16 +76,28 @@ class VocabParallel:
     def __init__(self, embed: nn.Embedding, start: int, tp: Group) -> None:
         self.start, self.rows, self.tp = start, embed.weight.shape[0], tp
         self.outside: torch.Tensor | None = None
+        self.paused = False  # the embedding holds the whole table for a while (see ``of``): a plain lookup
         embed.register_forward_pre_hook(self.localize)
         embed.register_forward_hook(self.reduce)
+        embed.__dict__[VOCAB_PARALLEL] = self
 
-    def localize(self, module: nn.Module, args: tuple) -> tuple:
+    @staticmethod
+    def of(embed: nn.Module) -> VocabParallel | None:
+        """The hooks holding ``embed``'s block of the vocabulary, if any (to pause them while it holds the whole
+        table)."""
+        return embed.__dict__.get(VOCAB_PARALLEL)
+
+    def localize(self, module: nn.Module, args: tuple) -> tuple | None:
+        if self.paused:
+            return None
         ids, *rest = args
         local = ids - self.start
         self.outside = (local < 0) | (local >= self.rows)
         return (local.masked_fill(self.outside, 0), *rest)
 
-    def reduce(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    def reduce(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+        if self.paused:
+            return None
         out = out.masked_fill(self.outside[..., None], 0)
         self.outside = None
         dist.all_reduce(out, group=self.tp.group)

@@ -30,7 +30,7 @@ from lit_ppl.parallel.ranks import world
 from lit_ppl.quant.assign import assign, rules_from_cfg
 from lit_ppl.quant.auto.budget import packed_bytes
 from lit_ppl.quant.calibrated.awq import PRE_SCALE
-from lit_ppl.quant.calibrated.split import TpView
+from lit_ppl.quant.calibrated.split import TpView, as_one_process, quantized_whole
 from lit_ppl.quant.calibrated.stream import Where
 from lit_ppl.quant.consistency import Known, broadcast_from_rank0, check_ranks_agree, record, whole_digest
 from lit_ppl.quant.methods import METHODS, Choice, Method
@@ -71,7 +71,8 @@ def quantize_model(
     if cfg.name == "auto":  # measured, then applied as the policy it chose
         from lit_ppl.quant.auto.search import choose_policy
 
-        cfg, report.auto = choose_policy(lm, cfg, calibration, _where(*world(), tp), by_rows)
+        with as_one_process(lm, tp) as whole:  # a tensor-parallel group measures as one process, layers by slices
+            cfg, report.auto = choose_policy(lm, cfg, calibration, _where(*world(), whole), by_rows or tp is not None)
     todo, report.modules, targets = assign(lm, rules_from_cfg(cfg), cfg.backend, cfg.group_fallback, device)
     _check_assigned(lm, report, todo, targets)
     before = {n: tensor_bytes(t.weight(lm)) for n, t in targets.items()}
@@ -93,7 +94,7 @@ def quantize_model(
         done = _held_by_blocks(lm, todo, experts, report, (rows, release, known))
         free = {n: c for n, c in todo.items() if n not in done}
     if stream is None:
-        _round_to_nearest(lm, free, experts, report, skip=broadcast and rank != 0)
+        _round_to_nearest(lm, free, experts, report, broadcast and rank != 0, tp)
     else:
         layer_of = {**{s: f for s, f in twins.items() if f in todo}, **{n: n for n in todo}}
         _as_read(lm, todo, experts, report, (stream, release, known), layer_of)
@@ -265,12 +266,15 @@ def _free_choices(todo: dict[str, Choice], report: QuantReport) -> list[Choice]:
 
 
 def _round_to_nearest(
-    lm: nn.Module, todo: dict[str, Choice], experts: set[str], report: QuantReport, skip: bool
+    lm: nn.Module, todo: dict[str, Choice], experts: set[str], report: QuantReport, skip: bool, tp: TpView | None
 ) -> None:
-    """The calibration-free layers, one torchao ``quantize_`` per choice; ``skip``: they arrive by broadcast."""
+    """The calibration-free layers, one torchao ``quantize_`` per choice; ``skip``: they arrive by broadcast; ``tp``:
+    a row-parallel layer's int8 is its whole rows' (:func:`~lit_ppl.quant.calibrated.split.quantized_whole`)."""
     for choice in _free_choices(todo, report):
-        if not skip:  # else quantized once, on rank 0
-            _apply(lm, choice, {n for n, c in todo.items() if c == choice}, experts)
+        names = {n for n, c in todo.items() if c == choice} if not skip else set()  # else quantized on rank 0
+        if choice.scheme.kind == "int8":
+            names = quantized_whole(lm, names, choice.config()[0], tp)
+        _apply(lm, choice, names, experts)
 
 
 def _apply(lm: nn.Module, choice: Choice, names: set[str], experts: set[str]) -> None:

@@ -128,7 +128,7 @@ def _choose(
             f"{name} is a {type(module).__name__}, whose forward is not nn.Linear's, so a quantized weight may "
             f"not run in it; keep it in full precision with a quant=policy rule {{match: '{name}', config: none}}"
         )
-    refused = split_problem(scheme, module)
+    refused = split_problem(scheme, module, rule.method.calibrated)
     if refused:
         raise LitPplError(f"{name}: {refused}")
     embedding = target.kind == "embedding"

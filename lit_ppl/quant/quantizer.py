@@ -144,16 +144,10 @@ def build(
 def check_layout(cfg: QuantConfig, layout: Any) -> None:
     """What quantization cannot do when the layout splits the model (:mod:`lit_ppl.parallel.layout`), refused at
     once. Calibrated methods run under every layout (:mod:`lit_ppl.quant.calibrated.stream`: batches over the
-    data-parallel ranks, split layers observed and solved whole); ``quant=auto``'s sensitivity compares whole rows
-    of logits, which tensor parallelism splits over the vocabulary."""
+    data-parallel ranks, split layers observed and solved whole; ``quant=auto`` measures with a tensor-parallel
+    group run as one process: :func:`lit_ppl.quant.calibrated.split.as_one_process`)."""
     if cfg.name == "none" or not layout.sharded:
         return
-    if cfg.name == "auto" and layout.tp > 1:
-        raise LitPplError(
-            f"quant=auto with strategy layout {layout.kind}: its sensitivity measure compares whole rows of logits, "
-            "which tensor parallelism splits; choose the policy with strategy=fsdp (or ddp), then evaluate its "
-            "quant_policy.yaml as quant=policy under tensor parallelism"
-        )
     if cfg.source == "rank0":
         raise LitPplError(
             f"quant.source=rank0 with strategy layout {layout.kind}: ranks hold different slices, so rank 0's "

@@ -75,22 +75,24 @@ def shape_problem(scheme: Scheme, backend: str | None, weight: torch.Tensor) -> 
     return None
 
 
-def split_problem(scheme: Scheme, module: nn.Module | None) -> str | None:
+def split_problem(scheme: Scheme, module: nn.Module | None, calibrated: bool = False) -> str | None:
     """Why a tensor-parallel slice of input features would quantize differently from the whole row, if it would.
 
-    A row-parallel layer (:mod:`lit_ppl.parallel.tensor_parallel`) holds ``in_features / tp`` of every row: int8's
-    one scale
-    per row would be the slice's maximum, not the row's, and an int4 group must not straddle two slices. Either
-    would evaluate another model than the same quantization at ``tp=1``.
+    A row-parallel layer (:mod:`lit_ppl.parallel.tensor_parallel`) holds ``in_features / tp`` of every row.
+    Round-to-nearest int8 quantizes the whole rows and keeps the slice
+    (:func:`lit_ppl.quant.calibrated.split.quantized_whole`); a ``calibrated`` method's int8 would scale the slice by
+    its own maximum, not the row's, int8dq each token's slice of the input, and an int4 group must not straddle two
+    slices: each would evaluate another model than the same quantization at ``tp=1``.
     """
     full = getattr(module, "full_in_features", None)
-    if full is None:
+    if full is None or (scheme.kind == "int8" and not calibrated):
         return None
     if scheme.kind != "int4":
+        what = "quantizes each token's input" if scheme.kind == "int8dq" else "by a calibrated method scales each row"
         return (
-            f"{scheme.label} scales each output row by its maximum, and under tensor parallelism this layer holds "
+            f"{scheme.label} {what} by its maximum, and under tensor parallelism this layer holds "
             f"{module.in_features} of the row's {full} input features, so its scales would differ from tp=1's; use "
-            "quant=int4 (group-wise scales stay within a slice), or keep it in full precision with a quant=policy "
+            "quant=int8 (round to nearest: whole rows), quant=int4, or keep it in full precision with a quant=policy "
             "rule (config: none)"
         )
     if module.in_features % scheme.group_size and full % scheme.group_size == 0:

@@ -16,6 +16,8 @@ the weight, and restores the float ones.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -29,7 +31,11 @@ from lit_ppl.quant.assign import Rule, assign, rules_from_cfg
 from lit_ppl.quant.calibrated.stream import Where
 from lit_ppl.quant.calibrated.text import Calibration
 from lit_ppl.quant.methods import RTN, Choice, Method, Statistics
-from lit_ppl.quant.schemes import NONE, PACKED_INT4, Scheme
+from lit_ppl.quant.schemes import NONE, PACKED_INT4, Scheme, split_problem
+
+log = logging.getLogger(__name__)
+
+TP_WHY = "under tensor parallelism: "  # a scheme a row-parallel slice cannot take (see kind_rules)
 
 
 class Candidates:
@@ -49,6 +55,16 @@ class Candidates:
                 if "tied_to" in entry and name not in self.twins.setdefault(entry["tied_to"], []):
                     self.twins[entry["tied_to"]].append(name)
             self.choices[kind] = todo
+            split = [n for n, e in report.items() if str(e.get("rule")).startswith(TP_WHY)]
+            if split:
+                why = report[split[0]]["rule"].removeprefix(TP_WHY).split(";")[0]
+                log.warning(
+                    "quant=auto: %d layers can take no %s under tensor parallelism (%s: %s)",
+                    len(split),
+                    kind,
+                    split[0],
+                    why,
+                )
         if self.routed:  # torchao's tensors run in F.linear, not in the grouped-matmul kernels (as quant.apply does)
             lm.set_experts_implementation("eager")
         calibrated: dict[Method, dict[str, Choice]] = {}
@@ -107,16 +123,23 @@ def kind_rules(lm: nn.Module, cfg: QuantConfig, kind: str) -> list[Rule]:
     ``quant.auto_embeddings`` the head and the embeddings take it too, by round-to-nearest."""
     method = cfg.method if kind == "int4" else RTN.name
     rules = rules_from_cfg(dataclasses.replace(cfg, name=kind, method=method))
+    linear = rules[-1]  # the catch-all linear rule (the head rule of quant.head=false before it is dropped)
+    # Under tensor parallelism a row-parallel slice that would quantize unlike its whole row cannot take the scheme.
+    split = [
+        Rule(NONE, match=f"^{re.escape(name)}$", why=f"{TP_WHY}{problem}")
+        for name, module in lm.named_modules()
+        if (problem := split_problem(linear.scheme, module, linear.method.calibrated))
+    ]
+    rules = [*split, *rules]
     if not cfg.auto_embeddings:
         return rules
-    linear = rules[-1]  # the catch-all linear rule (the head rule of quant.head=false before it is dropped)
     why = f"quant=auto {kind} (head and embeddings by {RTN.name})"
     roles = {"head": linear.scheme, "embeddings": linear.scheme}
     if kind == "int4" and cfg.backend in PACKED_INT4:  # the packed kernels run F.linear only: no int4 lookup table
         why = f"quant.backend={cfg.backend} has no int4 embedding lookup"
         tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
         roles = {"head": NONE if tied else linear.scheme, "embeddings": NONE}
-    return [*(Rule(scheme, role=role, why=why) for role, scheme in roles.items()), linear]
+    return [*split, *(Rule(scheme, role=role, why=why) for role, scheme in roles.items()), linear]
 
 
 def weight_slot(lm: nn.Module, name: str) -> tuple[nn.Module, str]:
