@@ -250,8 +250,9 @@ def test_quantized_weights_are_sharded_and_exact(docs_file, two_ranks, compose, 
     assert r["ppl"] == pytest.approx(one["ppl"], rel=1e-6)
     assert r["quant"]["quantized_modules"] == one["quant"]["quantized_modules"]
     assert r["quant"]["consistency"]["checked"]
-    if layout == ["strategy=fsdp"] or name == "int8-tp":  # fsdp: quantized as read, hashed whole, cut to rows
+    if layout == ["strategy=fsdp"] or name == "int8-tp":  # tp: int8 of a row-parallel layer over its whole rows
         assert r["quant"]["digest"] == one["quant"]["digest"]
+    if layout == ["strategy=fsdp"]:  # each weight quantized as it was read, hashed whole, then cut to rows
         assert r["quant"]["weight_bytes_after"] == one["quant"]["weight_bytes_after"]
     # No rank holds every quantized weight (the embeddings and norms are shared out too).
     assert max(r["rank_weight_bytes"]) < 0.65 * one["rank_weight_bytes"][0], (r["rank_weight_bytes"], one)
