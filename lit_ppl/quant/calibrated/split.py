@@ -103,7 +103,7 @@ def quantized_whole(lm: nn.Module, names: set[str], config: Any, view: TpView | 
     """Round to nearest by torchao's ``config`` each row-parallel layer of ``names`` as one process does: its whole
     weight gathered (a layer at a time), quantized, and this rank's slice of the quantized tensor kept (int8's one
     scale per row is the whole row's). The names left to quantize as they are (all of them without ``view``)."""
-    from lit_ppl.quant.calibrated.awq import quantize_weight
+    from lit_ppl.quant.calibrated.awq import quantize_weight  # awq imports this module
 
     rowwise = {n for n in names if view is not None and view.rowwise(n)}
     for name in sorted(rowwise):  # the same order on every rank: each gather is collective
