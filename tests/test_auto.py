@@ -292,8 +292,8 @@ def test_the_fisher_estimate_ranks_layers_as_the_exact_measurement_does(tmp_path
     estimate (4 windows) against the exact measurement (36 passes) on the same calibration text, the same sums over
     ranks: the same order of sensitivity (rank correlation 0.97 measured), each estimate within a factor of 2 of its
     measurement (0.67–1.13 measured), and no layer type estimated apart from the others (medians 0.90–1.06). The
-    diagonal ``½ Σ g² Δy²`` ranked as well (0.99) but put key and value projections at 0.81 and 0.82 of their
-    measurement, the MLP's at 0.94–0.97; at their own output, not attention's, value projections came out at
+    diagonal ``½ Σ g² Δy²`` ranked them more closely (0.99) but put key and value projections at 0.81 and 0.82 of
+    their measurement, the MLP's at 0.94–0.97; at their own output, not attention's, value projections came out at
     0.29–0.83."""
     import statistics
 
