@@ -31,7 +31,6 @@ ENCODING_ERRORS = ("strict", "replace", "ignore")  # lit_ppl.data.sources
 QUANT_SCHEMES = ("none", "int8", "int8dq", "int4")  # lit_ppl.quant.schemes.Scheme: what one rule applies
 QUANT_NAMES = (*QUANT_SCHEMES, "policy", "auto")  # quant.name: one scheme, per-module rules, or chosen by a budget
 AUTO_SCHEMES = ("none", "int8", "int4")  # quant=auto: the schemes quant.schemes may list
-BOUND_UNIT = 64  # quant=auto: scored tokens per unit of its measurement's variance
 SENSITIVITY_METHODS = ("fisher", "exact")  # quant=auto: a gradient estimate per window, or each candidate measured
 QUANT_METHODS = ("rtn", "awq", "gptq", "hqq")  # one entry each in lit_ppl.quant.methods.METHODS
 CALIBRATED_METHODS = ("awq", "gptq")  # the entries with calibrated=True
@@ -261,11 +260,12 @@ def check_auto(key: str, value: dict[str, Any]) -> None:
             f"{key}=auto with {key}.gptq.sequential=true: each layer is measured alone, on the float model's inputs; "
             f"use {key}.gptq.sequential=false"
         )
-    tokens = (value.get("calibration") or {}).get("tokens")
-    if isinstance(tokens, int) and tokens < 2 * BOUND_UNIT:
+    calibration = value.get("calibration") or {}
+    tokens, seq_len = calibration.get("tokens"), calibration.get("seq_len")
+    if isinstance(tokens, int) and isinstance(seq_len, int) and tokens <= seq_len:
         raise ConfigError(
-            f"{key}.calibration.tokens={tokens}: quant=auto bounds its measurement over units of {BOUND_UNIT} tokens "
-            f"and needs at least {2 * BOUND_UNIT}"
+            f"{key}.calibration.tokens={tokens} with {key}.calibration.seq_len={seq_len} is one calibration window: "
+            f"quant=auto bounds its measurement over windows and needs at least two (tokens above seq_len)"
         )
     schemes = list(value.get("schemes") or [])
     bad = [s for s in schemes if s not in AUTO_SCHEMES]

@@ -23,13 +23,13 @@ import numpy as np
 import torch
 
 from lit_ppl.config.quant import QuantConfig
-from lit_ppl.config.values import BOUND_UNIT, check_auto
+from lit_ppl.config.values import check_auto
 from lit_ppl.errors import LitPplError
 from lit_ppl.quant.schemes import Scheme
 from lit_ppl.runtime.memory import tensor_bytes
 
 BINS = 4000  # the budget's resolution in the knapsack: a cost is rounded up by at most budget / BINS
-Z = 1.645  # a choice keeps its cost's one-sided 95% upper confidence bound within the budget
+CONFIDENCE = 0.95  # a choice keeps its cost's one-sided upper confidence bound at this level within the budget
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,11 @@ class Budget:
         return kld / tokens if self.metric == "kld" else abs(nll - nll_base) / tokens
 
     def bound(self, units: torch.Tensor) -> float:
-        """The cost's upper confidence bound (one-sided, :data:`Z` standard errors): the mean over tokens is a ratio
-        of sums over units, its standard error the ratio estimator's, ``√(Σ (v_i − m n_i)² / (N (N − 1))) / n̄``."""
+        """The cost's one-sided upper confidence bound at :data:`CONFIDENCE`, a unit being one calibration window:
+        the mean over tokens is a ratio of sums over windows, its standard error the ratio estimator's,
+        ``√(Σ (v_i − m n_i)² / (N (N − 1))) / n̄``, times Student's t quantile on ``N − 1`` degrees of freedom.
+        Windows, not shorter runs of tokens: the tokens of one window share its context and topic, so their costs
+        move together, and a bound that counted them as independent was narrower than another text's shift."""
         units = real_units(units)
         value = units[:, 0] if self.metric == "kld" else units[:, 1] - units[:, 2]
         tokens = units[:, 3]
@@ -69,15 +72,27 @@ class Budget:
         n = units.shape[0]
         if n < 2:
             raise LitPplError(
-                f"quant=auto: the calibration text gave {int(tokens.sum())} scored tokens, one unit of the "
-                f"measurement's variance: give it more text (quant.calibration.tokens, at least {2 * BOUND_UNIT})"
+                f"quant=auto: the calibration text gave one window ({int(tokens.sum())} scored tokens), and the "
+                "measurement's variance is over windows: give it at least two (quant.calibration.tokens above "
+                "quant.calibration.seq_len)"
             )
         stderr = torch.sqrt(((value - mean * tokens) ** 2).sum() / (n * (n - 1))) / tokens.mean()
-        return abs(float(mean)) + Z * float(stderr)
+        return abs(float(mean)) + t_quantile(CONFIDENCE, n - 1) * float(stderr)
 
     def shown(self, cost: float) -> float:
         """A cost in the budget's own terms (``ppl_increase``: ``exp(|ΔNLL|) − 1``)."""
         return cost if self.metric == "kld" else math.expm1(cost)
+
+
+def t_quantile(p: float, dof: int) -> float:
+    """Student's t distribution's ``p`` quantile (``0.5 ≤ p ≤ 0.99``) on ``dof`` degrees of freedom, its density
+    integrated on a fine grid (within 1e-4): torch's ``StudentT`` has no inverse CDF and scipy is no dependency."""
+    x = torch.linspace(0.0, 64.0, 2**20, dtype=torch.float64)  # the 0.99 quantile at 1 degree of freedom is 31.8
+    v = float(dof)
+    log_density = math.lgamma((v + 1) / 2) - math.lgamma(v / 2) - 0.5 * math.log(v * math.pi)
+    density = torch.exp(log_density - (v + 1) / 2 * torch.log1p(x.square() / v))
+    cdf = 0.5 + torch.cumulative_trapezoid(density, x)
+    return float(x[1 + int(torch.searchsorted(cdf, p))])
 
 
 def real_units(units: torch.Tensor) -> torch.Tensor:

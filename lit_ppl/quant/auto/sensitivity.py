@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_ppl.config.values import BOUND_UNIT
 from lit_ppl.metrics.kl import token_stats
 from lit_ppl.model.scorer import decoder_and_head, head_fn, logit_transform, transform
 from lit_ppl.quant.calibrated.stream import Stop
@@ -34,7 +33,6 @@ from lit_ppl.quant.calibrated.text import Calibration
 
 log = logging.getLogger(__name__)
 
-UNIT = BOUND_UNIT  # scored tokens per unit of a measurement's variance (a batch's consecutive positions)
 REPLAY_TOLERANCE = 1e-4  # largest |Δ hidden| / max |hidden| of a float replay: rounding, not another function
 
 
@@ -90,7 +88,7 @@ class Meter:
         self.lm, self.chunk_size, self.steps = lm, chunk_size, calibration.steps(world_size)
         self.world_size, self.device = world_size, next(lm.parameters()).device
         spec = calibration.spec.config
-        self.units = -(-spec.batch_size * spec.seq_len // UNIT)  # the most a batch has: the same on every rank
+        self.units = spec.batch_size  # windows per batch, the most a batch has: the same on every rank
         self.decoder, head = decoder_and_head(lm)
         self.batches = []
         mine = calibration.batches(rank, world_size)
@@ -187,9 +185,9 @@ class Meter:
 
     def measure(self, start: int | None = None) -> torch.Tensor:
         """``(Σ KLD, Σ NLL, Σ NLL of the float model, tokens)`` (float64) of the model as it is now, per step of
-        this rank's calibration batches (zeros past its last) and unit of :data:`UNIT` scored tokens of the batch:
-        ``(steps, units, 4)``, stacked over the ranks in global batch order by
-        :func:`lit_ppl.quant.calibrated.stream.ordered_rows` (the units give the measurement's variance);
+        this rank's calibration batches (zeros past its last) and window of the batch: ``(steps, units, 4)``,
+        stacked over the ranks in global batch order by :func:`lit_ppl.quant.calibrated.stream.ordered_rows` (the
+        windows are the units of the measurement's variance: :meth:`lit_ppl.quant.auto.budget.Budget.bound`);
         ``start``: the first block it differs in, to which the probe was advanced (``None``: any, a whole
         forward)."""
         replay = self.replay and start is not None
@@ -204,7 +202,10 @@ class Meter:
                     continue
                 st = token_stats(hidden, self.reference[k], targets, self.head, self.head_base, self.chunk_size)
                 parts = [st["kld"], st["nll"], st["nll_base"], torch.ones_like(st["nll"])]
+                counts = real.sum(1).cpu()  # the scored tokens of each window, in the order hidden[real] has them
+                window = torch.repeat_interleave(torch.arange(len(counts)), counts)
                 for i, part in enumerate(parts):
-                    padded = F.pad(part.double().cpu(), (0, self.units * UNIT - part.numel()))
-                    sums[k, :, i] = padded.view(self.units, UNIT).sum(1)
+                    sums[k, : len(counts), i] = torch.zeros(len(counts), dtype=torch.float64).index_add_(
+                        0, window, part.double().cpu()
+                    )
         return sums
