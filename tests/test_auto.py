@@ -21,9 +21,10 @@ from lit_ppl.config.quant import quant_config
 from lit_ppl.config.values import ConfigError, check_calibration
 from lit_ppl.errors import LitPplError
 from lit_ppl.quant.assign import assign
-from lit_ppl.quant.auto.budget import Budget, cheapest, t_quantile
+from lit_ppl.quant.auto.budget import Budget, Option, cheapest, t_quantile
 from lit_ppl.quant.auto.candidates import kind_rules
 from lit_ppl.quant.auto.policy import POLICY_FILE
+from lit_ppl.quant.auto.search import ROUNDS, SLACK, _search
 from lit_ppl.quant.calibrated.text import Calibration, CalibrationSpec, prepare_calibration
 from lit_ppl.quant.schemes import Scheme
 
@@ -216,6 +217,36 @@ def test_the_knapsack_finds_the_fewest_bytes_within_the_budget():
         chosen = [u[j] for u, j in zip(units, picks, strict=True)]
         assert sum(cost for _, cost in chosen) <= limit
         assert sum(b for b, _ in chosen) == min(sum(b for b, _ in c) for c in fits)
+
+
+@pytest.mark.parametrize("scale", [0.5, 0.8, 1.3, 2.0])
+def test_the_search_grows_into_slack_and_shrinks_from_overshoot_to_the_best_met_assignment(scale):
+    """The whole measures ``scale`` × the table's sum (an estimate too high below 1, too low above): whether the
+    first round meets the budget with slack or misses it, the search ends on the fewest bytes whose measured bound
+    meets it (brute force over every assignment) within ROUNDS measurements, and never returns one that missed."""
+    rng, layers, budget = random.Random(int(scale * 10)), [f"layer{i}" for i in range(10)], Budget("kld", 0.02)
+    for _ in range(10):
+        options = []
+        for _ in layers:
+            width, int8, int4 = rng.choice([1, 2, 4]), rng.uniform(1e-4, 2e-3), rng.uniform(2e-3, 2e-2)
+            options.append(
+                [Option("none", 32 * width), Option("int8", 9 * width, int8), Option("int4", 5 * width, int4)]
+            )
+        table = {(n, o.kind): o.kld for n, unit in zip(layers, options, strict=True) for o in unit}
+
+        def measured(quantized: dict[str, str], table: dict = table) -> tuple[float, float]:
+            cost = scale * sum(table[n, k] for n, k in quantized.items())
+            return cost, 1.1 * cost
+
+        chosen, index, rounds = _search(layers, options, budget, measured, ["none", "int8", "int4"])
+        met = [
+            sum(o.bytes for o in c) for c in itertools.product(*options) if 1.1 * scale * sum(o.kld for o in c) <= 0.02
+        ]
+        assert sum(o.bytes for o in chosen.values()) == rounds[index]["bytes"] == min(met)
+        assert rounds[index]["bound"] <= 0.02 and len(rounds) <= ROUNDS
+        assert all(r["bound"] > 0.02 for r in rounds if r["bytes"] < rounds[index]["bytes"])
+        first = rounds[0]["bound"]
+        assert len(rounds) > 1 if first > 0.02 or first < 0.02 * (1 - SLACK) else len(rounds) == 1
 
 
 @pytest.mark.slow

@@ -3,16 +3,18 @@
 1. Every quantizable layer's candidates: its weight under each scheme of ``quant.schemes`` (int4 by
    ``quant.method``, with the group fallback; int8 by round-to-nearest), the calibrated ones from statistics
    reduced over the ranks (:mod:`lit_ppl.quant.auto.candidates`).
-2. Each candidate measured alone on the calibration text: the mean KL divergence from the float model and the
-   change in mean NLL (:class:`lit_ppl.quant.auto.sensitivity.Meter`), summed over the ranks in float64 in global
-   batch order (:func:`lit_ppl.quant.calibrated.stream.ordered_sum`), so every rank, at any world size, holds the
-   same numbers and makes the same choice (:mod:`lit_ppl.quant.auto.table`).
-3. The assignment with the fewest weight bytes whose summed cost stays within the budget: a multiple-choice
-   knapsack solved by dynamic programming over the budget in 4,000 steps, each cost rounded up, so the
-   prediction never exceeds the budget (:mod:`lit_ppl.quant.auto.budget`).
-4. The assignment measured as a whole on the calibration text; interactions make that differ from the sum, so
-   while it exceeds the budget the search target shrinks below that assignment's prediction and the knapsack runs
-   again (at most :data:`ROUNDS` times).
+2. Each candidate's cost on the calibration text, the mean KL divergence from the float model and the change in
+   mean NLL: estimated from gradients in a few passes (:mod:`lit_ppl.quant.auto.fisher`, the default) or, with
+   ``quant.sensitivity_method=exact``, measured alone (:class:`lit_ppl.quant.auto.sensitivity.Meter`); summed over
+   the ranks in float64 in global batch order (:func:`lit_ppl.quant.calibrated.stream.ordered_sum`), so every rank,
+   at any world size, holds the same numbers and makes the same choice (:mod:`lit_ppl.quant.auto.table`).
+3. The assignment with the fewest weight bytes whose summed cost stays within a target: a multiple-choice
+   knapsack solved by dynamic programming over the target in 4,000 steps, each cost rounded up, so the
+   prediction never exceeds the target (:mod:`lit_ppl.quant.auto.budget`).
+4. The assignment measured as a whole on the calibration text, against the budget by its upper confidence bound;
+   interactions make that differ from the sum, so the target starts at the budget, shrinks while the bound
+   exceeds it, grows into the slack a met bound leaves, and the knapsack runs again (:func:`_search`, at most
+   :data:`ROUNDS` measurements); the cheapest assignment that met the budget is the choice.
 
 The choice becomes ``quant=policy`` rules, one per layer (written next to ``results.json`` as
 ``quant_policy.yaml``: :mod:`lit_ppl.quant.auto.policy`), applied by :func:`lit_ppl.quant.apply.quantize_model`
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +35,7 @@ from torch import nn
 from lit_ppl.config.quant import QuantConfig
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.nll import auto_chunk
-from lit_ppl.quant.auto.budget import Budget, Option, cheapest, packed_bytes, real_units
+from lit_ppl.quant.auto.budget import BINS, Budget, Option, cheapest, packed_bytes, real_units
 from lit_ppl.quant.auto.candidates import Candidates, installed
 from lit_ppl.quant.auto.fisher import estimate_layers
 from lit_ppl.quant.auto.policy import policy_node
@@ -45,8 +48,10 @@ from lit_ppl.quant.schemes import NONE
 
 log = logging.getLogger(__name__)
 
-ROUNDS = 6  # whole-assignment measurements before giving up on a shrinking target
+ROUNDS = 8  # whole-assignment measurements at most: shrinking until the budget is met, then growing into its slack
+SOLVES = 4 * ROUNDS  # knapsack solves at most (one that repeats a measured assignment costs no measurement)
 SHRINK = 0.95  # the next target is this times budget / measured (below the plain ratio: interactions add up)
+SLACK = 0.03  # a met bound within this fraction below the budget ends the search: little is left to gain
 CHUNK_BUDGET_MB = 256  # float64 statistics per chunk of positions, as eval.chunk_budget_mb
 
 
@@ -99,32 +104,55 @@ def _search(
     budget: Budget,
     measured: Callable[[dict[str, str]], tuple[float, float]],
     schemes: list[str],
-) -> tuple[dict[str, Option], list[dict[str, Any]]]:
-    """The cheapest assignment whose whole measurement meets the budget, and every round tried."""
-    rounds, target, tried = [], budget.limit, set()
-    for _ in range(ROUNDS):
-        picks = cheapest([[(o.bytes, o.cost(budget)) for o in unit] for unit in options], target)
-        if picks is None or tuple(picks) in tried:  # nothing fits a smaller target, or no other choice
+) -> tuple[dict[str, Option], int, list[dict[str, Any]]]:
+    """The cheapest assignment whose whole measurement meets the budget, its round's index, and every round.
+
+    The knapsack's target is bracketed between the largest that met the budget and the smallest that did not: a
+    miss shrinks it by the overshoot, a met bound with slack grows it into the slack, and a step that would leave
+    the bracket halves it instead; a target whose assignment was measured already moves the bracket for free."""
+    costs = [[(o.bytes, o.cost(budget)) for o in unit] for unit in options]
+    rounds: list[dict[str, Any]] = []
+    tried: dict[tuple[int, ...], tuple[dict[str, Option], float, float, int]] = {}  # picks → its round's figures
+    target, low, high = budget.limit, 0.0, math.inf
+    best: tuple[dict[str, Option], int] | None = None
+    for _ in range(SOLVES):
+        picks = cheapest(costs, target)
+        if picks is None:  # nothing fits a smaller target
             break
-        tried.add(tuple(picks))
-        picked = {n: options[u][j] for u, (n, j) in enumerate(zip(layers, picks, strict=True))}
-        cost, bound = measured({n: o.kind for n, o in picked.items() if o.kind != "none"})
-        predicted = sum(o.cost(budget) for o in picked.values())
-        size = sum(o.bytes for o in picked.values())
-        shown = {"predicted": budget.shown(predicted), "measured": budget.shown(cost), "bound": budget.shown(bound)}
-        rounds.append({"target": budget.shown(target), **shown, "bytes": size})
+        if tuple(picks) not in tried:
+            if len(rounds) == ROUNDS:
+                break
+            picked = {n: options[u][j] for u, (n, j) in enumerate(zip(layers, picks, strict=True))}
+            cost, bound = measured({n: o.kind for n, o in picked.items() if o.kind != "none"})
+            predicted = sum(o.cost(budget) for o in picked.values())
+            size = sum(o.bytes for o in picked.values())
+            shown = {"predicted": budget.shown(predicted), "measured": budget.shown(cost), "bound": budget.shown(bound)}
+            tried[tuple(picks)] = picked, predicted, bound, len(rounds)
+            rounds.append({"target": budget.shown(target), **shown, "bytes": size})
+        picked, predicted, bound, index = tried[tuple(picks)]
         if bound <= budget.limit:
-            return picked, rounds
-        # Below this assignment's own prediction, scaled by how far its bound overshot: the next round must
-        # choose another (a target that only shrinks from the budget may still admit the same one).
-        target = min(target, predicted) * SHRINK * budget.limit / bound
+            low = max(low, target)
+            if best is None or rounds[index]["bytes"] < rounds[best[1]]["bytes"]:
+                best = picked, index
+            if bound >= budget.limit * (1 - SLACK):
+                break
+            step = target * budget.limit / max(bound, budget.limit / 2)  # at most doubled
+        else:
+            high = min(high, target)
+            # Below this assignment's own prediction: a target that only shrinks from the last may still admit it.
+            step = min(target, predicted) * SHRINK * budget.limit / bound
+        target = step if low < step < high else (low + high) / 2
+        if high - low <= budget.limit / BINS:  # the knapsack's resolution: no other assignment lies between
+            break
+    if best is not None:
+        return *best, rounds
     # No round at all: costs rounded up to the budget's steps left no assignment within it (the floor is close).
     floor = sum(min(o.cost(budget) for o in unit) for unit in options)
-    best, how = min(((r["bound"], "upper bound") for r in rounds), default=(budget.shown(floor), "predicted"))
+    least, how = min(((r["bound"], "upper bound") for r in rounds), default=(budget.shown(floor), "predicted"))
     raise LitPplError(
         f"quant.budget.{budget.metric}={budget.value:g} is not met on the calibration text (with 95% "
         f"confidence): the best reachable "
-        f"with quant.schemes={schemes} is {best:.4g} ({how}, {len(rounds)} assignments tried); raise the budget"
+        f"with quant.schemes={schemes} is {least:.4g} ({how}, {len(rounds)} assignments tried); raise the budget"
     )
 
 
@@ -201,7 +229,7 @@ def choose_policy(
     t2 = time.perf_counter()
     options = unit_options(candidates, kinds, table, "none" in cfg.schemes)
     _check_reachable(budget, layers, options, cfg, bool(cfg.sensitivity and table))
-    chosen, rounds = _search(layers, options, budget, measured, list(cfg.schemes))
+    chosen, index, rounds = _search(layers, options, budget, measured, list(cfg.schemes))
     quantized = {n: candidates.scheme(n, o.kind) for n, o in chosen.items() if o.kind != "none"}
     _check_quantizes(budget, quantized, layers, options)
     policy = policy_node(cfg, quantized)
@@ -209,7 +237,7 @@ def choose_policy(
     seconds |= {"held_by_rows": lockstep}
     seconds |= {"seconds_layers": t2 - t1, "seconds": time.perf_counter() - t0}
     info = _facts(
-        candidates, budget, layers, options, kinds, chosen, quantized, table, rounds, fingerprint, cfg, seconds
+        candidates, budget, layers, options, kinds, chosen, quantized, table, (rounds, index), fingerprint, cfg, seconds
     )
     info["policy"] = policy
     return dataclasses.replace(cfg, name="policy", rules=policy["rules"]), info
@@ -224,12 +252,15 @@ def _facts(
     chosen: dict[str, Option],
     quantized: dict[str, Any],
     table: Table,
-    rounds: list[dict[str, Any]],
+    search: tuple[list[dict[str, Any]], int],
     fingerprint: dict[str, Any],
     cfg: QuantConfig,
     measurement: dict[str, Any],
 ) -> dict[str, Any]:
-    """``results.json``'s ``quant.auto`` (without the policy), and the log's one line."""
+    """``results.json``'s ``quant.auto`` (without the policy), and the log's one line; ``search``: every round
+    and the chosen one's index."""
+    rounds, index = search
+    last = rounds[index]
     by_scheme: dict[str, dict[str, int]] = {}
     for name, option in chosen.items():
         label = quantized[name][0].label if name in quantized else "none"
@@ -239,16 +270,17 @@ def _facts(
     uniform = {k: sum(next((o.bytes for o in u if o.kind == k), u[0].bytes) for u in options) for k in kinds}
     info = {
         "budget": {budget.metric: budget.value},
-        "predicted": rounds[-1]["predicted"] if table else None,  # nothing measured alone: nothing predicted
-        "bound": rounds[-1]["bound"],  # the calibration measurement's one-sided 95% upper bound
-        "measured_calibration": rounds[-1]["measured"],
+        "predicted": last["predicted"] if table else None,  # nothing measured alone: nothing predicted
+        "bound": last["bound"],  # the calibration measurement's one-sided 95% upper bound
+        "measured_calibration": last["measured"],
         "measured_evaluated": None,  # the evaluated text's, set with results.json when the run compares
-        "met": _met(budget, rounds[-1], table),
-        "bytes": rounds[-1]["bytes"],
+        "met": _met(budget, last, table),
+        "bytes": last["bytes"],
         "bytes_full_precision": full,
         "bytes_uniform": uniform,  # every layer the scheme takes; the rest in full precision
         "by_scheme": by_scheme,
         "rounds": rounds,
+        "chosen_round": index + 1,
         "choice": {name: option.kind for name, option in chosen.items()},
         "calibration_tokens": fingerprint["tokens"],
         "fingerprint": fingerprint,
