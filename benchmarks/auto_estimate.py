@@ -68,6 +68,46 @@ def errors(estimate: dict, exact: dict) -> list[dict]:
     return rows
 
 
+def frontiers(tables: dict[str, dict], model: Path, group: int, levels: list[float]) -> list[dict]:
+    """Each table's knapsack choices judged by the exact table's sums: over targets 0.5% apart, the fewest bytes
+    at which a table's choice keeps the exact summed KLD within each level (the exact table's choices are the best
+    for these sums up to the knapsack's rounding, so another table's bytes above them are what its errors cost,
+    without the whole measurement's interactions or where a search lands)."""
+    import torch
+    from safetensors import safe_open
+
+    from lit_ppl.quant.auto.budget import cheapest, packed_bytes
+    from lit_ppl.quant.schemes import NONE, Scheme
+
+    shapes = {}
+    for file in model.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            shapes |= {k.removesuffix(".weight"): f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
+    exact, layers = tables["exact"], list(tables["exact"])
+    schemes = {"none": NONE, "int8": Scheme("int8"), "int4": Scheme("int4", group)}
+    size = {(n, k): packed_bytes(schemes[k], torch.empty(shapes[n], device="meta")) for n in layers for k in schemes}
+    costs = {
+        how: [[(size[n, k], t[n][k]["kld"] if k != "none" else 0.0) for k in schemes] for n in layers]
+        for how, t in tables.items()
+    }
+
+    def judged(how: str, target: float) -> tuple[int, float] | None:  # a choice's bytes and exact summed KLD
+        picks = cheapest(costs[how], target)
+        if picks is None:
+            return None
+        kinds = [(n, list(schemes)[j]) for n, j in zip(layers, picks, strict=True)]
+        return sum(size[nk] for nk in kinds), sum(exact[n][k]["kld"] for n, k in kinds if k != "none")
+
+    targets = [0.001 * 1.005**i for i in range(1063)]  # 0.001 to 0.2
+    curves = {how: [p for p in (judged(how, t) for t in targets) if p] for how in tables}
+    rows = []
+    for level in levels:
+        best = {how: min(b for b, c in pts if c <= level) for how, pts in curves.items()}
+        rows.append({"exact sum <=": level} | {f"{how} bytes": f"{b:,}" for how, b in best.items()})
+        rows[-1] |= {f"{how} vs exact": f"{best[how] / best['exact'] - 1:+.2%}" for how in best if how != "exact"}
+    return rows
+
+
 def main() -> None:
     parser = calibrated_parser(__doc__)
     parser.add_argument("--group", type=int, default=64)
@@ -136,6 +176,9 @@ def main() -> None:
                 ["layers", "scheme", "n", "median_est/exact", "min", "max", "rank_corr"],
             )
         )
+        print("\nEach table's knapsack choices, judged by the exact table's summed KLD:\n")
+        fronts = frontiers(tables, args.model, args.group, [0.004, 0.008, 0.015, 0.03, 0.07, 0.1])
+        print(table(fronts, list(fronts[0])))
 
 
 if __name__ == "__main__":

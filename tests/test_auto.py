@@ -76,6 +76,9 @@ def test_auto_meets_its_budget_on_held_out_text_with_fewer_bytes_than_uniform_in
     assert auto["predicted"] <= budget and auto["measured_calibration"] <= auto["bound"] <= budget
     assert r["compare"]["kld_mean"] == auto["measured_evaluated"] <= budget  # text it was not measured on
     assert auto["met"] == {"predicted": True, "bound": True, "calibration": True, "evaluated": True}
+    chosen = auto["rounds"][auto["chosen_round"] - 1]  # the cheapest round that met the budget
+    assert (chosen["bytes"], chosen["bound"]) == (auto["bytes"], auto["bound"])
+    assert all(r["bound"] > budget for r in auto["rounds"] if r["bytes"] < auto["bytes"])
     assert auto["by_scheme"]["int4-g32"]["layers"] > 0
     assert sum(v["layers"] for v in auto["by_scheme"].values()) == 36 and auto["calibration_tokens"] == SMALL["tokens"]
     assert auto["measurement"]["passes"] == SMALL["tokens"] // 256  # the estimate: one window a pass
