@@ -102,9 +102,11 @@ def frontiers(tables: dict[str, dict], model: Path, group: int, levels: list[flo
     curves = {how: [p for p in (judged(how, t) for t in targets) if p] for how in tables}
     rows = []
     for level in levels:
-        best = {how: min(b for b, c in pts if c <= level) for how, pts in curves.items()}
-        rows.append({"exact sum <=": level} | {f"{how} bytes": f"{b:,}" for how, b in best.items()})
-        rows[-1] |= {f"{how} vs exact": f"{best[how] / best['exact'] - 1:+.2%}" for how in best if how != "exact"}
+        best = {how: min((b for b, c in pts if c <= level), default=None) for how, pts in curves.items()}
+        rows.append({"exact sum <=": level} | {f"{how} bytes": f"{b:,}" if b else "-" for how, b in best.items()})
+        for how in (h for h in best if h != "exact"):
+            both = best[how] is not None and best["exact"] is not None
+            rows[-1][f"{how} vs exact"] = f"{best[how] / best['exact'] - 1:+.2%}" if both else "-"
     return rows
 
 
