@@ -35,7 +35,7 @@ from torch import nn
 from lit_ppl.config.quant import QuantConfig
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.nll import auto_chunk
-from lit_ppl.quant.auto.budget import BINS, Budget, Option, cheapest, packed_bytes, real_units
+from lit_ppl.quant.auto.budget import BINS, CONFIDENCE, Budget, Option, cheapest, packed_bytes, real_units
 from lit_ppl.quant.auto.candidates import Candidates, installed
 from lit_ppl.quant.auto.fisher import estimate_layers
 from lit_ppl.quant.auto.policy import policy_node
@@ -150,7 +150,7 @@ def _search(
     floor = sum(min(o.cost(budget) for o in unit) for unit in options)
     least, how = min(((r["bound"], "upper bound") for r in rounds), default=(budget.shown(floor), "predicted"))
     raise LitPplError(
-        f"quant.budget.{budget.metric}={budget.value:g} is not met on the calibration text (with 95% "
+        f"quant.budget.{budget.metric}={budget.value:g} is not met on the calibration text (with {CONFIDENCE:.0%} "
         f"confidence): the best reachable "
         f"with quant.schemes={schemes} is {least:.4g} ({how}, {len(rounds)} assignments tried); raise the budget"
     )
@@ -271,7 +271,7 @@ def _facts(
     info = {
         "budget": {budget.metric: budget.value},
         "predicted": last["predicted"] if table else None,  # nothing measured alone: nothing predicted
-        "bound": last["bound"],  # the calibration measurement's one-sided 95% upper bound
+        "bound": last["bound"],  # the calibration measurement's one-sided upper bound at CONFIDENCE
         "measured_calibration": last["measured"],
         "measured_evaluated": None,  # the evaluated text's, set with results.json when the run compares
         "met": _met(budget, last, table),
