@@ -1,34 +1,36 @@
 """``quant=auto``'s sensitivity estimate (``quant.sensitivity_method=fisher``, the default): every candidate's KL
-divergence predicted from one forward and a few backward passes per calibration window, instead of one forward per
+divergence predicted from one forward and one backward pass per calibration window, instead of one forward per
 candidate (:mod:`lit_ppl.quant.auto.sensitivity`, ``quant.sensitivity_method=exact``).
 
 Second order about the float model: a change ``Δy`` of a layer's output moves the next-token distributions by ``KL ≈ ½
 Δyᵀ F Δy``, with ``F`` the Fisher information of the model's own predictions. ``F = E[g gᵀ]`` for ``g`` the gradient of
-``log p(t)`` at a token ``t`` *sampled from the model* (:data:`SAMPLES` per position, a backward pass each; sampling
-makes the estimate unbiased, the text's own tokens would not), so ``½ E[(g · Δy)²]`` is the quadratic form itself.
-The product is taken whole over channels and over each run of :data:`BLOCK` positions, then squared: ``KLD ≈ ½ Σ_runs
-(Σ_run g · Δy)²``. Tokens sampled independently at each position make the terms between the outputs vanish in
+``log p(t)`` at a token ``t`` *sampled from the model* (:data:`SAMPLES` per position, each a row of the window's batch;
+sampling makes the estimate unbiased, the text's own tokens would not), so ``½ E[(g · Δy)²]`` is the quadratic form
+itself. The product is taken whole over channels and over each run of :data:`BLOCK` positions, then squared: ``KLD ≈ ½
+Σ_runs (Σ_run g · Δy)²``. Tokens sampled independently at each position make the terms between the outputs vanish in
 expectation; those between one weight's changes at different positions (later attention mixes them) are kept within a
 run and dropped between runs. Squares per position dropped them all (on SmolLM2-135M: value and output projections at
-0.72–0.74 of their measured KLD, the MLP's at 0.84–0.90); the whole window keeps them all but leaves a few squared
-terms per candidate, whose noise ranks the candidates worse than the bias did. NVIDIA Model-Optimizer's AutoQuantize
-keeps ``F`` diagonal, ``½ Σ g² Δy²``, which drops the terms between channels too: on SmolLM2-135M it put query and key
+0.72–0.74 of their measured KLD, the MLP's at 0.84–0.90); the whole window keeps them all but leaves a few squared terms
+per candidate, whose noise ranks the candidates worse than the bias did. NVIDIA Model-Optimizer's AutoQuantize keeps
+``F`` diagonal, ``½ Σ g² Δy²``, which drops the terms between channels too: on SmolLM2-135M it put query and key
 projections at two thirds of their measured KLD, the MLP's at nine tenths, and the knapsack traded the one for the
-other. ``Δy = x ΔWᵀ`` is the candidate's change of the layer's output
-on the float model's inputs ``x`` (an embedding: the rows it looks up; a group of experts: the experts module run again
-on its inputs and routing with the candidate's weights, less its float output). A layer inside an attention module is
-seen at the attention's output, the attention run again with the candidate's weight: a value projection's error is
-alike at every position and attention adds it up over the positions it mixes, which a sum position by position at the
-projection's own output does not see (it put value projections at a third of their measured KLD). The change of the
-text's NLL adds the first-order term of the text's own tokens: ``ΔNLL ≈ −Σ g_text · Δy + KLD``. Written here because
-none of the dependencies estimates a quantization's effect (Model-Optimizer is not one).
+other. ``Δy = x ΔWᵀ`` is the candidate's change of the layer's output on the float model's inputs ``x`` (an embedding:
+the rows it looks up; a group of experts: the experts module run again on its inputs and routing with the candidate's
+weights, less its float output). A layer inside an attention module is seen at the attention's output, the attention run
+again with the candidate's weight: a value projection's error is alike at every position and attention adds it up over
+the positions it mixes, which a sum position by position at the projection's own output does not see (it put value
+projections at a third of their measured KLD). The change of the text's NLL adds the first-order term of the text's own
+tokens (the batch's last row): ``ΔNLL ≈ −Σ g_text · Δy + KLD``. The rows are one window repeated, so that one backward
+pass brings every row's gradient to a candidate at once and its ``ΔW`` and ``Δy`` are made once per window, not once per
+gradient (on SmolLM2-135M the table in 0.55 of the time; under FSDP one gather per layer in the backward pass, not
+three). Written here because none of the dependencies estimates a quantization's effect (Model-Optimizer is not one).
 
 Sums per window are float64 and added over the ranks in global batch order
 (:func:`lit_ppl.quant.calibrated.stream.ordered_sum`): the same table at any world size. Tokens are sampled from a
-generator seeded by the window's global index. Memory: every candidate is held quantized for the pass (its codes
-and scales: about a quarter of float32's bytes, an eighth for packed int4), its ``ΔW`` made when its layer's
-gradient arrives and dropped after; the decoder blocks run under activation checkpointing (a window holds the
-blocks' inputs, each block's activations recomputed for each backward pass). Under FSDP the float layers and the
+generator seeded by the window's global index. Memory: every candidate is held quantized for the pass (its codes and
+scales: about a quarter of float32's bytes, an eighth for packed int4), its ``ΔW`` made when its layer's gradient
+arrives and dropped after; the decoder blocks run under activation checkpointing (a window holds the blocks' inputs for
+its :data:`ROWS` rows, each block's activations recomputed in the backward pass). Under FSDP the float layers and the
 candidates are held by rows (:mod:`lit_ppl.parallel.float_rows`): every rank runs every window, idle past its own.
 """
 
@@ -53,14 +55,16 @@ from lit_ppl.quant.calibrated.text import Calibration
 SEED = 20_240_601  # the sampled tokens' generator: seeded by this and the window's global index
 SAMPLES = 2  # sampled tokens per position, a backward pass each
 BLOCK = 16  # positions whose products g·Δy are summed before squaring: the terms between them kept
+ROWS = SAMPLES + 1  # a window's rows, one per backward: the sampled tokens', then the text's
 
 
 class _Probe:
-    """Hooks on every candidate's modules that add, per candidate and scheme, ``½ Σ_runs (Σ_run g·Δy)²`` (sampled
-    tokens' gradients, ``mode`` 0) or ``Σ g · Δy`` (the text's tokens, ``mode`` 1) to ``sums`` as gradients arrive."""
+    """Hooks on every candidate's modules that add, per candidate and scheme, ``½ Σ_runs (Σ_run g·Δy)²`` over the
+    sampled tokens' rows and ``Σ g · Δy`` over the text's row to ``sums`` (``[..., 0]`` and ``[..., 1]``) as
+    gradients arrive: one ``ΔW`` and one ``Δy`` per candidate and window serve every row."""
 
     def __init__(self, lm: nn.Module, candidates: Candidates, kinds: list[str]) -> None:
-        self.lm, self.mode = lm, 0
+        self.lm = lm
         self.layers = candidates.layers
         self.sums = torch.zeros(len(self.layers), len(kinds), 2, dtype=torch.float64)
         self.candidates = candidates
@@ -106,21 +110,27 @@ class _Probe:
 
         def forward_hook(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
             if out.requires_grad:
-                x = args[0]
+                x = _one_row(args[0])
                 change = (lambda d, _: F.embedding(x, d)) if lookup else (lambda d, _: F.linear(x, d))
-                out.register_hook(lambda g: self._add(u, name, g, change, module, None if lookup else x))
+                out.register_hook(lambda g: self._add(u, name, g, change, module))
 
         return forward_hook
 
     def _rerun(self, u: int, name: str, owner: nn.Module, attr: str) -> Callable[..., None]:
         """A hook on the module whose output the candidate's change is measured at (the candidate's own group of
-        experts, or the attention holding it): that module run again with ``owner``'s ``attr`` changed."""
+        experts, or the attention holding it): that module run again, on one row, with ``owner``'s ``attr``
+        changed."""
 
         def forward_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
             first = _first(out)
             if first.requires_grad:
-                inputs, base = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs)), first.detach()
-                changed = lambda d, w: _first(_with(module, owner, attr, w + d, inputs)) - base  # noqa: E731
+                inputs = tree_map_only(torch.Tensor, lambda t: _one_row(t.detach()), (args, kwargs))
+                base = first.detach()
+
+                def changed(d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                    y = _first(_with(module, owner, attr, w + d, inputs))
+                    return y - base[: y.shape[0]]  # one row of a batch-first output, or the whole output
+
                 first.register_hook(lambda g: self._add(u, name, g, changed, module))
 
         return forward_hook
@@ -132,29 +142,28 @@ class _Probe:
         g: torch.Tensor,
         change: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         scope: nn.Module,
-        x: torch.Tensor | None = None,
     ) -> None:
-        """Per scheme, ``½ Σ_runs (Σ_run g·Δy)²`` or ``Σ g·Δy`` with ``Δy = change(ΔW, float weight)``; ``scope``: the
-        module ``change`` runs (its weights held by rows gathered once for every scheme); ``x``: a linear layer's
-        input."""
+        """Per scheme, ``½ Σ_runs (Σ_run g·Δy)²`` over the sampled rows of ``g`` and ``Σ g·Δy`` over its text row,
+        with ``Δy = change(ΔW, float weight)`` (one row, or every row where the module's output is not batch-first);
+        ``scope``: the module ``change`` runs (its weights held by rows gathered once for every scheme)."""
         with torch.no_grad(), gathered(scope):
-            g = g.float()
-            # A linear layer's text term Σ g·(x ΔWᵀ) is ⟨ΔW, gᵀx⟩: one product per layer, whatever the schemes.
-            grad_w = None if self.mode == 0 or x is None else g.flatten(0, -2).T @ x.flatten(0, -2).float()
+            g = g.float().reshape(ROWS, -1, g.shape[-1])  # rows first: batch-first or flattened batch-first
             float_weight = self.candidates.tensor(name).detach()  # whole: its scope is gathered
             for j, built in enumerate(self.built[name]):
                 if built is None:
                     continue
                 weight, pre = built
-                delta = _delta(whole_weight(weight), pre, float_weight)
-                if grad_w is not None:
-                    term = grad_w * delta.float()
-                else:
-                    term = g * change(delta, float_weight).float()
-                    if self.mode == 0:  # the whole product g·Δy over each run of BLOCK positions, squared
-                        term = term.sum(-1, dtype=torch.float64).flatten()
-                        term = 0.5 * F.pad(term, (0, -len(term) % BLOCK)).view(-1, BLOCK).sum(1).square_()
-                self.sums[u, j, self.mode] += term.sum(dtype=torch.float64).cpu()
+                dy = change(_delta(whole_weight(weight), pre, float_weight), float_weight).float()
+                term = (g * dy.reshape(-1, *g.shape[1:])).sum(-1, dtype=torch.float64)  # (rows, positions)
+                runs = F.pad(term[:SAMPLES], (0, -term.shape[1] % BLOCK)).view(SAMPLES, -1, BLOCK).sum(-1)
+                self.sums[u, j, 0] += 0.5 * runs.square().sum().cpu()  # the whole product per run, squared
+                self.sums[u, j, 1] += term[SAMPLES].sum().cpu()
+
+
+def _one_row(t: torch.Tensor) -> torch.Tensor:
+    """The first of a window's :data:`ROWS` identical rows of a batch-first tensor (a flattened one, whose first
+    dimension counts positions of every row, or a 1-D one, whole)."""
+    return t[:1] if t.dim() > 1 and t.shape[0] == ROWS else t
 
 
 def _with(module: nn.Module, owner: nn.Module, attr: str, weight: torch.Tensor, inputs: tuple[tuple, dict]) -> Any:
@@ -227,29 +236,24 @@ def _window(
     head: Callable[[torch.Tensor], torch.Tensor],
     input_ids: torch.Tensor,
     targets: torch.Tensor,
-    probe: _Probe,
     chunk: int,
     generator: torch.Generator,
 ) -> None:
-    """One window's forward pass, then the backward passes of sampled tokens (``mode`` 0) and of the text's tokens
-    (``mode`` 1); the head runs ``chunk`` positions at a time on a detached copy of the hidden states, so that no
-    whole window of logits is held."""
-    out = decoder(input_ids=input_ids, use_cache=False)
-    hidden = (out[0] if isinstance(out, tuple) else out.last_hidden_state)[0]
-    grads = [torch.zeros_like(hidden) for _ in range(SAMPLES + 1)]
-    for start in range(0, hidden.shape[0], chunk):
-        part = hidden.detach()[start : start + chunk].requires_grad_(True)
+    """One window as a batch of :data:`ROWS` identical rows, one forward and one backward pass: row ``i`` carries
+    the gradient of ``log p`` of sampled token ``i``, the last row the text's own; the head runs ``chunk``
+    positions of every row at a time on a detached copy of the hidden states, so that no whole window of logits is
+    held."""
+    out = decoder(input_ids=input_ids.expand(ROWS, -1), use_cache=False)
+    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+    grads = torch.zeros_like(hidden)
+    for start in range(0, hidden.shape[1], chunk):
+        part = hidden.detach()[:, start : start + chunk].requires_grad_(True)
         logp = torch.log_softmax(head(part).float(), dim=-1)
         with torch.no_grad():
-            sampled = torch.multinomial(logp.exp(), SAMPLES, replacement=True, generator=generator)
-        losses = [*logp.gather(1, sampled).sum(0), logp.gather(1, targets[start : start + chunk, None]).sum()]
-        for i, loss in enumerate(losses):
-            probe.mode = int(i == SAMPLES)  # the head's own hooks see these gradients
-            (grad,) = torch.autograd.grad(loss, part, retain_graph=i < SAMPLES)
-            grads[i][start : start + chunk] = grad
-    for i, grad in enumerate(grads):
-        probe.mode = int(i == SAMPLES)
-        hidden.backward(grad, retain_graph=i < SAMPLES)
+            sampled = torch.multinomial(logp[0].exp(), SAMPLES, replacement=True, generator=generator)
+        picked = torch.cat([sampled.T, targets[None, start : start + chunk]])  # (rows, positions)
+        (grads[:, start : start + chunk],) = torch.autograd.grad(logp.gather(2, picked[..., None]).sum(), part)
+    hidden.backward(grads)
 
 
 def estimate_layers(
@@ -291,7 +295,7 @@ def estimate_layers(
                 n = int(real[r].sum())
                 generator = torch.Generator(device=device).manual_seed(SEED + (ids or idle)[r])
                 probe.sums.zero_()
-                _window(decoder, head_call, input_ids[r : r + 1, :n], targets[r, :n], probe, chunk, generator)
+                _window(decoder, head_call, input_ids[r : r + 1, :n], targets[r, :n], chunk, generator)
                 if not real_row:  # an idle window: its gathers had every rank, its sums are not this rank's
                     continue
                 kld, first = probe.sums.unbind(-1)
