@@ -495,6 +495,29 @@ def test_the_estimate_holds_candidates_quantized_not_their_float_changes(small_c
     assert held < sum(tensor_bytes(candidates.tensor(n)) for n in probe.layers), held
 
 
+def test_the_estimate_makes_each_candidates_change_once_per_window(small_calibration, monkeypatch):
+    """A window runs as one batch of its rows (two sampled tokens' and the text's): each candidate's ΔW is made
+    once per window and scheme, not once per gradient (three times before), and every row's gradient reaches it."""
+    from lit_ppl.quant.auto import fisher
+    from lit_ppl.quant.auto.candidates import Candidates
+    from lit_ppl.quant.calibrated.stream import Where
+
+    cfg = quant_config({"name": "auto", "method": "rtn", "group_size": 32, "budget": {"kld": 1.0}})
+    model, kinds, made = stories_lm(tied=True), ["int8", "int4"], []
+    candidates = Candidates(model, cfg, kinds, small_calibration, Where())
+    delta = fisher._delta
+    monkeypatch.setattr(fisher, "_delta", lambda *a: made.append(1) or delta(*a))
+    chunk = fisher.ROWS * SMALL["seq_len"]  # the head's logits of a whole window at once: one call a window
+    local, windows = fisher.estimate_layers(model, candidates, small_calibration, kinds, Where(), chunk, "model.layers")
+    built = sum(candidates.scheme(n, k) is not None for n in candidates.layers for k in kinds)
+    # The tied table is one candidate seen twice a window: where it is looked up and where the head reads it.
+    assert windows == 4 and len(made) == windows * (built + 2) and fisher.ROWS == fisher.SAMPLES + 1 == 3
+    kld, nll = local.sum(0)[..., 0], local.sum(0)[..., 1]
+    has = torch.tensor([[candidates.scheme(n, k) is not None for k in kinds] for n in candidates.layers])
+    # Every built candidate gets the sampled rows' term and the text row's first-order term.
+    assert (kld[has] > 0).all() and (nll[has] != kld[has]).all() and not kld[~has].any()
+
+
 def test_groups_of_experts_are_candidates_estimated_and_applied_as_measured(small_calibration, compose, tmp_path):
     """A mixture-of-experts model (Mixtral, every expert's projection in one 3D parameter): each fused parameter is
     one candidate, int8 only (torchao's int4 takes no 3D weight), its bytes packed per expert and row; after the last

@@ -53,9 +53,9 @@ from lit_ppl.quant.calibrated.stream import Where
 from lit_ppl.quant.calibrated.text import Calibration
 
 SEED = 20_240_601  # the sampled tokens' generator: seeded by this and the window's global index
-SAMPLES = 2  # sampled tokens per position, a backward pass each
+SAMPLES = 2  # sampled tokens per position, a row of the window's batch each
 BLOCK = 16  # positions whose products g·Δy are summed before squaring: the terms between them kept
-ROWS = SAMPLES + 1  # a window's rows, one per backward: the sampled tokens', then the text's
+ROWS = SAMPLES + 1  # a window's rows: the sampled tokens', then the text's
 
 
 class _Probe:
@@ -125,11 +125,8 @@ class _Probe:
             first = _first(out)
             if first.requires_grad:
                 inputs = tree_map_only(torch.Tensor, lambda t: _one_row(t.detach()), (args, kwargs))
-                base = first.detach()
-
-                def changed(d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                    y = _first(_with(module, owner, attr, w + d, inputs))
-                    return y - base[: y.shape[0]]  # one row of a batch-first output, or the whole output
+                base = _one_row(first.detach())
+                changed = lambda d, w: _first(_with(module, owner, attr, w + d, inputs)) - base  # noqa: E731
 
                 first.register_hook(lambda g: self._add(u, name, g, changed, module))
 
@@ -161,9 +158,10 @@ class _Probe:
 
 
 def _one_row(t: torch.Tensor) -> torch.Tensor:
-    """The first of a window's :data:`ROWS` identical rows of a batch-first tensor (a flattened one, whose first
-    dimension counts positions of every row, or a 1-D one, whole)."""
-    return t[:1] if t.dim() > 1 and t.shape[0] == ROWS else t
+    """A copy of the first of a window's :data:`ROWS` identical rows of a batch-first tensor, so that a hook does
+    not keep every row until the backward pass (a flattened tensor, whose first dimension counts positions of every
+    row, or a 1-D one: itself, whole)."""
+    return t[:1].clone() if t.dim() > 1 and t.shape[0] == ROWS else t
 
 
 def _with(module: nn.Module, owner: nn.Module, attr: str, weight: torch.Tensor, inputs: tuple[tuple, dict]) -> Any:
@@ -179,7 +177,7 @@ def _with(module: nn.Module, owner: nn.Module, attr: str, weight: torch.Tensor, 
 
 class _Recomputed(StandIn):
     """Stands in for a decoder block during a window: its forward under activation checkpointing (its inner
-    activations recomputed for each backward pass instead of held)."""
+    activations recomputed in the backward pass instead of held)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch.utils.checkpoint import checkpoint
@@ -240,12 +238,13 @@ def _window(
     generator: torch.Generator,
 ) -> None:
     """One window as a batch of :data:`ROWS` identical rows, one forward and one backward pass: row ``i`` carries
-    the gradient of ``log p`` of sampled token ``i``, the last row the text's own; the head runs ``chunk``
-    positions of every row at a time on a detached copy of the hidden states, so that no whole window of logits is
-    held."""
+    the gradient of ``log p`` of sampled token ``i``, the last row the text's own; the head runs on a detached copy
+    of the hidden states a few positions of every row at a time (about ``chunk`` rows of logits in all, whole runs
+    of :data:`BLOCK` positions), so that no whole window of logits is held."""
     out = decoder(input_ids=input_ids.expand(ROWS, -1), use_cache=False)
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
     grads = torch.zeros_like(hidden)
+    chunk = max(BLOCK, chunk // ROWS // BLOCK * BLOCK)
     for start in range(0, hidden.shape[1], chunk):
         part = hidden.detach()[:, start : start + chunk].requires_grad_(True)
         logp = torch.log_softmax(head(part).float(), dim=-1)
