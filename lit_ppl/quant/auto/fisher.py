@@ -22,8 +22,9 @@ the positions it mixes, which a sum position by position at the projection's own
 projections at a third of their measured KLD). The change of the text's NLL adds the first-order term of the text's own
 tokens (the batch's last row): ``ΔNLL ≈ −Σ g_text · Δy + KLD``. The rows are one window repeated, so that one backward
 pass brings every row's gradient to a candidate at once and its ``ΔW`` and ``Δy`` are made once per window, not once per
-gradient (on SmolLM2-135M the table in 0.55 of the time; under FSDP one gather per layer in the backward pass, not
-three). Written here because none of the dependencies estimates a quantization's effect (Model-Optimizer is not one).
+gradient (on SmolLM2-135M the table in two thirds of the time, at a lower peak; under FSDP one gather per layer in the
+backward pass, not three). Written here because none of the dependencies estimates a quantization's effect
+(Model-Optimizer is not one).
 
 Sums per window are float64 and added over the ranks in global batch order
 (:func:`lit_ppl.quant.calibrated.stream.ordered_sum`): the same table at any world size. Tokens are sampled from a
@@ -127,7 +128,6 @@ class _Probe:
                 inputs = tree_map_only(torch.Tensor, lambda t: _one_row(t.detach()), (args, kwargs))
                 base = _one_row(first.detach())
                 changed = lambda d, w: _first(_with(module, owner, attr, w + d, inputs)) - base  # noqa: E731
-
                 first.register_hook(lambda g: self._add(u, name, g, changed, module))
 
         return forward_hook
