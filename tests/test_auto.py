@@ -497,7 +497,7 @@ def test_the_estimate_holds_candidates_quantized_not_their_float_changes(small_c
 
 def test_the_estimate_makes_each_candidates_change_once_per_window(small_calibration, monkeypatch):
     """A window runs as one batch of its rows (two sampled tokens' and the text's): each candidate's ΔW is made
-    once per window and scheme, not once per gradient (three times before), and every row's gradient reaches it."""
+    once per window and scheme, not once per gradient, and every row's gradient reaches it."""
     from lit_ppl.quant.auto import fisher
     from lit_ppl.quant.auto.candidates import Candidates
     from lit_ppl.quant.calibrated.stream import Where
