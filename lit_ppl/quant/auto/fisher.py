@@ -244,14 +244,14 @@ def _window(
     out = decoder(input_ids=input_ids.expand(ROWS, -1), use_cache=False)
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
     grads = torch.zeros_like(hidden)
-    chunk = max(BLOCK, chunk // ROWS // BLOCK * BLOCK)
-    for start in range(0, hidden.shape[1], chunk):
-        part = hidden.detach()[:, start : start + chunk].requires_grad_(True)
+    step = max(BLOCK, chunk // ROWS // BLOCK * BLOCK)  # positions per head call
+    for start in range(0, hidden.shape[1], step):
+        part = hidden.detach()[:, start : start + step].requires_grad_(True)
         logp = torch.log_softmax(head(part).float(), dim=-1)
         with torch.no_grad():
             sampled = torch.multinomial(logp[0].exp(), SAMPLES, replacement=True, generator=generator)
-        picked = torch.cat([sampled.T, targets[None, start : start + chunk]])  # (rows, positions)
-        (grads[:, start : start + chunk],) = torch.autograd.grad(logp.gather(2, picked[..., None]).sum(), part)
+        picked = torch.cat([sampled.T, targets[None, start : start + step]])  # (rows, positions)
+        (grads[:, start : start + step],) = torch.autograd.grad(logp.gather(2, picked[..., None]).sum(), part)
     hidden.backward(grads)
 
 
