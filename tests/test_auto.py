@@ -146,8 +146,9 @@ def test_a_budget_nothing_quantized_meets_says_the_best_reachable_value(compose,
     line = str(err.value)
     assert "\n" not in line
     assert re.match(
-        r"quant\.budget\.kld=1e-06 is not met on the calibration text \(with 95% confidence\): the best reachable "
-        r"with quant\.schemes=\['int4'\] is 0\.\d+ \(upper bound, 1 assignments tried\); raise the budget$",
+        r"quant\.budget\.kld=1e-06 is not met with 95% confidence on text like the calibration text: the best "
+        r"reachable with quant\.schemes=\['int4'\] is 0\.\d+ \(prediction bound, 1 assignments tried\); raise the "
+        r"budget$",
         line,
     ), line
     with pytest.raises(LitPplError) as err:  # smaller than any one layer's change: full precision is all it allows
@@ -182,9 +183,10 @@ def test_bad_auto_configs_are_one_line(node, message):
 
 
 def test_the_bound_is_over_windows_with_students_t():
-    """The bound's units are calibration windows of unequal length (the ratio estimator's standard error), its
-    quantile Student's t on windows − 1 degrees of freedom (published: 6.314, 2.353, 1.895, 1.697; the normal's
-    1.645 for many); one window is one line, not a bound without a variance."""
+    """The bound's units are calibration windows of unequal length (the ratio estimator's standard error), a
+    prediction for another text as long (√2 that error), its quantile Student's t on windows − 1 degrees of freedom
+    (published: 6.314, 2.353, 1.895, 1.697; the normal's 1.645 for many); one window is one line, not a bound
+    without a variance."""
     import statistics
 
     for dof, published in [(1, 6.314), (3, 2.353), (7, 1.895), (30, 1.697), (10_000, 1.645)]:
@@ -197,7 +199,7 @@ def test_the_bound_is_over_windows_with_students_t():
     stderr = math.sqrt(sum(r * r for r in residuals) / (4 * 3)) / statistics.mean(tokens)
     budget = Budget("kld", 0.01)
     assert budget.cost(units) == pytest.approx(mean, rel=1e-12)
-    assert budget.bound(units) == pytest.approx(mean + 2.3534 * stderr, rel=1e-4)
+    assert budget.bound(units) == pytest.approx(mean + 2.3534 * math.sqrt(2) * stderr, rel=1e-4)
     with pytest.raises(LitPplError, match=r"gave one window \(500 scored tokens\).*at least two"):
         budget.bound(units[:1])
 
@@ -348,8 +350,9 @@ def test_gptq_candidates_are_the_weights_the_policy_applies(compose, tmp_path):
 def test_the_fisher_estimate_ranks_layers_as_the_exact_measurement_does(tmp_path):
     """Each int8 candidate of stories260K alone (35 linear layers, the tied embedding table): the gradient
     estimate (4 windows) against the exact measurement (36 passes) on the same calibration text, the same sums over
-    ranks: the same order of sensitivity (rank correlation 0.965 measured), each estimate within a factor of 2 of its
-    measurement (0.76–1.22 measured), and no layer type estimated apart from the others (medians 0.89–1.12). The
+    ranks: the same order of sensitivity (rank correlation 0.942 measured on windows spread over the text, 0.965 on
+    its first 1,024 tokens), each estimate within a factor of 2 of its measurement (0.76–1.42 measured), and no
+    layer type estimated apart from the others (medians 0.87–1.11). The
     diagonal ``½ Σ g² Δy²`` ranked them more closely (0.99) but put key and value projections at 0.81 and 0.82 of
     their measurement, the MLP's at 0.94–0.97; at their own output, not attention's, value projections came out at
     0.29–0.83. Runs of 16 positions rank this small model's candidates a little worse than squares per position
@@ -377,7 +380,7 @@ def test_the_fisher_estimate_ranks_layers_as_the_exact_measurement_does(tmp_path
     assert (passes, windows) == (36, 4) and estimate.keys() == exact.keys()
     pairs = [(estimate[n]["int8"]["kld"], exact[n]["int8"]["kld"]) for n in exact]
     ranks = [sorted(v).index for v in zip(*pairs, strict=True)]
-    assert statistics.correlation([ranks[0](e) for e, _ in pairs], [ranks[1](x) for _, x in pairs]) > 0.95
+    assert statistics.correlation([ranks[0](e) for e, _ in pairs], [ranks[1](x) for _, x in pairs]) > 0.9
     far = {n: e / x for n, (e, x) in zip(exact, pairs, strict=True) if not 1 / 2 < e / x < 2}
     assert not far, far
     by_type: dict[str, list[float]] = {}

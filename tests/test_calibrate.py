@@ -155,6 +155,32 @@ def test_an_empty_calibration_set_is_refused(tmp_path):
         quantize.build({"name": "int8", "method": "awq"}, tokenizer())
 
 
+def test_calibration_windows_spread_over_a_longer_text(tmp_path):
+    """Of a text longer than quant.calibration.tokens, whole windows spread evenly over it — the first at its
+    start, the last its last whole window — reading exactly ``tokens``, the last window cut; a text shorter than
+    ``tokens`` is read whole, window after window."""
+    import numpy as np
+
+    require_shared()
+    seq = SMALL["seq_len"]
+    cal = calibration(tmp_path)
+    start, lengths = cal.windows.start, cal.windows.lengths
+    assert cal.tokens == SMALL["tokens"] and lengths.tolist() == [seq] * 4 + [SMALL["tokens"] - 4 * seq]
+    assert cal.text_tokens > 100 * SMALL["tokens"] and (start % seq == 0).all()
+    assert start[0] == 0 and start[-1] == (cal.text_tokens // seq - 1) * seq, start
+    gaps = np.diff(start) // seq
+    assert gaps.min() >= gaps.max() - 1 and gaps.min() > 100, gaps  # even, not the text's first pages
+    inputs = cal.batch([4], torch.device("cpu"))[0]
+    assert inputs[0, : lengths[4]].tolist() == cal.corpus.tokens[start[4] : start[4] + lengths[4]].tolist()
+    assert cal.describe()["text_tokens"] == cal.text_tokens
+
+    short = tmp_path / "short.txt"
+    short.write_text(SHAKESPEARE.read_text()[:1500])
+    whole = calibration(tmp_path, path=str(short))
+    assert whole.tokens == whole.text_tokens < SMALL["tokens"]
+    assert (np.diff(whole.windows.start) == seq).all() and whole.windows.start[0] == 0
+
+
 def test_calibration_and_auto_run_under_every_split_layout():
     from lit_ppl.parallel.layout import Layout
 

@@ -216,6 +216,21 @@ def scored_positions(windows: Windows, doc_lengths: np.ndarray) -> tuple[np.ndar
     return doc[keep], (target - bos[doc] - 1)[keep]
 
 
+def spread(length: int, count: int) -> np.ndarray:
+    """Indices of ``min(count, length)`` items spread evenly over ``length`` (the first and the last among them):
+    a rule on the count alone, so every rank and layout picks the same.
+
+    Examples:
+        >>> spread(10, 4).tolist()
+        [0, 3, 6, 9]
+        >>> spread(3, 5).tolist()
+        [0, 1, 2]
+    """
+    if count <= 0 or length <= 0:
+        return np.zeros(0, np.int64)
+    return np.unique(np.linspace(0, length - 1, min(count, length)).round().astype(np.int64))
+
+
 def sample_pages(first_token: np.ndarray, budget: int, page: int) -> np.ndarray:
     """The windows whose scored tokens a report shows: ``(k, 3)`` int64 rows of window, first corpus-order token and
     tokens. Every window when their tokens fit in ``budget``; else ``budget // page`` windows spread evenly over the
@@ -230,8 +245,7 @@ def sample_pages(first_token: np.ndarray, budget: int, page: int) -> np.ndarray:
     counts = np.diff(np.asarray(first_token, dtype=np.int64))
     chosen = np.flatnonzero(counts > 0)
     if counts.sum() > budget:
-        spread = np.linspace(0, len(chosen) - 1, max(1, budget // page)).round().astype(np.int64)
-        chosen = chosen[np.unique(spread)]
+        chosen = chosen[spread(len(chosen), max(1, budget // page))]
         return np.stack([chosen, first_token[chosen], np.minimum(counts[chosen], page)], axis=1)
     return np.stack([chosen, first_token[chosen], counts[chosen]], axis=1)
 

@@ -45,6 +45,7 @@ import torch
 
 from lit_ppl.data.autobatch import default_budget
 from lit_ppl.data.datamodule import WindowCollator
+from lit_ppl.data.windows import spread
 from lit_ppl.metrics.kl import token_stats
 from lit_ppl.metrics.noise_floor import NoiseFloorSums
 from lit_ppl.model.placement import Placement, place, weight_bytes
@@ -65,11 +66,7 @@ def sample_windows(first_token: np.ndarray, count: int) -> np.ndarray:
         [0, 2]
     """
     chosen = np.flatnonzero(np.diff(np.asarray(first_token, dtype=np.int64)) > 0)
-    if count <= 0:
-        return chosen[:0]
-    if len(chosen) <= count:
-        return chosen
-    return chosen[np.unique(np.linspace(0, len(chosen) - 1, count).round().astype(np.int64))]
+    return chosen[spread(len(chosen), count)]
 
 
 @dataclasses.dataclass

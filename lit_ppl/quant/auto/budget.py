@@ -29,7 +29,7 @@ from lit_ppl.quant.schemes import Scheme
 from lit_ppl.runtime.memory import tensor_bytes
 
 BINS = 4000  # the budget's resolution in the knapsack: a cost is rounded up by at most budget / BINS
-CONFIDENCE = 0.95  # a choice keeps its cost's one-sided upper confidence bound at this level within the budget
+CONFIDENCE = 0.95  # a choice keeps its cost's one-sided upper prediction bound at this level within the budget
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,13 @@ class Budget:
         return kld / tokens if self.metric == "kld" else abs(nll - nll_base) / tokens
 
     def bound(self, units: torch.Tensor) -> float:
-        """The cost's one-sided upper confidence bound at :data:`CONFIDENCE`, a unit being one calibration window:
-        the mean over tokens is a ratio of sums over windows, its standard error the ratio estimator's,
-        ``√(Σ (v_i − m n_i)² / (N (N − 1))) / n̄``, times Student's t quantile on ``N − 1`` degrees of freedom.
-        Windows, not shorter runs of tokens: the tokens of one window share its context and topic, so their costs
-        move together, and a bound that counted them as independent was narrower than another text's shift."""
+        """The cost's one-sided upper prediction bound at :data:`CONFIDENCE` for another text as long as the
+        calibration text, a unit being one calibration window: the mean over tokens is a ratio of sums over
+        windows, its standard error the ratio estimator's, ``s = √(Σ (v_i − m n_i)² / (N (N − 1))) / n̄``; another
+        text of ``N`` windows drawn the same way has the same error, so their difference has ``s √2``, times
+        Student's t quantile on ``N − 1`` degrees of freedom. A bound on the calibration text's own mean (``s``
+        alone) is not what the budget is for: the evaluated text is another text. Windows, not shorter runs of
+        tokens: the tokens of one window share its context and topic, so their costs move together."""
         units = real_units(units)
         value = units[:, 0] if self.metric == "kld" else units[:, 1] - units[:, 2]
         tokens = units[:, 3]
@@ -77,7 +79,7 @@ class Budget:
                 "quant.calibration.seq_len)"
             )
         stderr = torch.sqrt(((value - mean * tokens) ** 2).sum() / (n * (n - 1))) / tokens.mean()
-        return abs(float(mean)) + t_quantile(CONFIDENCE, n - 1) * float(stderr)
+        return abs(float(mean)) + t_quantile(CONFIDENCE, n - 1) * math.sqrt(2) * float(stderr)
 
     def shown(self, cost: float) -> float:
         """A cost in the budget's own terms (``ppl_increase``: ``exp(|ΔNLL|) − 1``)."""

@@ -11,10 +11,11 @@
 3. The assignment with the fewest weight bytes whose summed cost stays within a target: a multiple-choice
    knapsack solved by dynamic programming over the target in 4,000 steps, each cost rounded up, so the
    prediction never exceeds the target (:mod:`lit_ppl.quant.auto.budget`).
-4. The assignment measured as a whole on the calibration text, against the budget by its upper confidence bound;
-   interactions make that differ from the sum, so the target starts at the budget, shrinks while the bound
-   exceeds it, grows into the slack a met bound leaves, and the knapsack runs again (:func:`_search`, at most
-   :data:`ROUNDS` measurements); the cheapest assignment that met the budget is the choice.
+4. The assignment measured as a whole on the calibration text, against the budget by its upper prediction bound
+   for another text (:meth:`~lit_ppl.quant.auto.budget.Budget.bound`); interactions make that differ from the sum,
+   so the target starts at the budget, shrinks while the bound exceeds it, grows into the slack a met bound leaves,
+   and the knapsack runs again (:func:`_search`, at most :data:`ROUNDS` measurements); the cheapest assignment that
+   met the budget is the choice.
 
 The choice becomes ``quant=policy`` rules, one per layer (written next to ``results.json`` as
 ``quant_policy.yaml``: :mod:`lit_ppl.quant.auto.policy`), applied by :func:`lit_ppl.quant.apply.quantize_model`
@@ -148,10 +149,10 @@ def _search(
         return *best, rounds
     # No round at all: costs rounded up to the budget's steps left no assignment within it (the floor is close).
     floor = sum(min(o.cost(budget) for o in unit) for unit in options)
-    least, how = min(((r["bound"], "upper bound") for r in rounds), default=(budget.shown(floor), "predicted"))
+    least, how = min(((r["bound"], "prediction bound") for r in rounds), default=(budget.shown(floor), "predicted"))
     raise LitPplError(
-        f"quant.budget.{budget.metric}={budget.value:g} is not met on the calibration text (with {CONFIDENCE:.0%} "
-        f"confidence): the best reachable "
+        f"quant.budget.{budget.metric}={budget.value:g} is not met with {CONFIDENCE:.0%} confidence on text like "
+        f"the calibration text: the best reachable "
         f"with quant.schemes={schemes} is {least:.4g} ({how}, {len(rounds)} assignments tried); raise the budget"
     )
 
@@ -208,7 +209,7 @@ def choose_policy(
 
     def measured(quantized: dict[str, str]) -> tuple[float, float]:
         """The budget's cost of these layers quantized together, on every rank's calibration tokens, and its
-        upper confidence bound."""
+        upper prediction bound for another text."""
         with installed(lm, {n: candidates.held(n, k) for n, k in quantized.items()}):
             units = ordered_rows(meter.measure().to(device), at).cpu()
         return budget.cost(units), budget.bound(units)
@@ -271,7 +272,7 @@ def _facts(
     info = {
         "budget": {budget.metric: budget.value},
         "predicted": last["predicted"] if table else None,  # nothing measured alone: nothing predicted
-        "bound": last["bound"],  # the calibration measurement's one-sided upper bound at CONFIDENCE
+        "bound": last["bound"],  # one-sided upper prediction bound at CONFIDENCE for another text
         "measured_calibration": last["measured"],
         "measured_evaluated": None,  # the evaluated text's, set with results.json when the run compares
         "met": _met(budget, last, table),

@@ -1,7 +1,10 @@
 """Calibration text for calibrated quantization (:mod:`lit_ppl.quant.calibrated`), sharded over ranks.
 
 The text is read like ``data`` (:mod:`lit_ppl.data.sources`) into the token store and cut into ``block`` windows
-(:mod:`lit_ppl.data.windows`), batched once independently of the world size
+(:mod:`lit_ppl.data.windows`); of a text longer than ``quant.calibration.tokens``, whole windows spread evenly over
+it (:func:`~lit_ppl.data.windows.spread`), as GPTQ and AWQ sample over their calibration set: the first pages of a
+corpus are one or two documents, whose topic neither calibrates the other layers nor shows how the loss varies
+between texts (``quant=auto``'s bound). The windows are batched once independently of the world size
 (:func:`lit_ppl.data.sampler.global_batches`) and dealt out over the data-parallel ranks in turn;
 :mod:`lit_ppl.quant.calibrated.stream` runs a method's share through the model.
 """
@@ -21,7 +24,7 @@ from lit_ppl.config.schema import DistributedConfig
 from lit_ppl.data.sampler import global_batches
 from lit_ppl.data.sources import DataSpec
 from lit_ppl.data.store import Corpus, prepare
-from lit_ppl.data.windows import Windows, build_windows
+from lit_ppl.data.windows import Windows, build_windows, spread
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.tokenizer import Tokenizer
 
@@ -90,6 +93,7 @@ class Calibration:
     store: Path
     corpus: Corpus = field(init=False)
     windows: Windows = field(init=False)
+    text_tokens: int = field(init=False)  # the whole text's, of which the windows read ``tokens``
 
     def __post_init__(self) -> None:
         self.corpus = Corpus.open(self.store)
@@ -98,12 +102,20 @@ class Calibration:
             raise LitPplError(
                 f"quant.calibration.path={self.spec.data.describe()!r} holds no tokens: calibration needs text"
             )
-        whole = build_windows("block", self.corpus.doc_lengths, self.spec.config.seq_len)
+        seq_len = self.spec.config.seq_len
+        whole = build_windows("block", self.corpus.doc_lengths, seq_len)
         n = min(self.spec.config.tokens, total)
-        keep = whole.start < n
-        end = np.minimum(whole.end[keep], n)  # the last window is cut so that exactly n tokens are read
-        zeros = np.zeros(int(keep.sum()), np.int64)
-        self.windows = Windows(whole.start[keep], end, whole.start[keep] + 1, zeros, zeros, zeros)
+        ids = np.arange(len(whole))
+        if -(-n // seq_len) < len(whole):  # a longer text: whole windows spread over all of it, not its first pages
+            full = np.flatnonzero(whole.lengths == seq_len)
+            ids = full[spread(len(full), -(-n // seq_len))]
+        read = np.cumsum(whole.lengths[ids]) - whole.lengths[ids]  # tokens read before each window
+        ids, read = ids[read < n], read[read < n]
+        start = whole.start[ids]
+        end = np.minimum(whole.end[ids], start + n - read)  # the last window is cut so that exactly n tokens are read
+        zeros = np.zeros(len(ids), np.int64)
+        self.windows = Windows(start, end, start + 1, zeros, zeros, zeros)
+        self.text_tokens = total
 
     @property
     def tokens(self) -> int:
@@ -147,6 +159,7 @@ class Calibration:
             "limit": self.spec.data.limit,
             "documents": len(self.corpus.doc_lengths),
             "tokens": self.tokens,
+            "text_tokens": self.text_tokens,
             "windows": len(self.windows),
             "seq_len": self.spec.config.seq_len,
             "batch_size": self.spec.config.batch_size,
