@@ -93,11 +93,10 @@ class Calibration:
     store: Path
     corpus: Corpus = field(init=False)
     windows: Windows = field(init=False)
-    text_tokens: int = field(init=False)  # the whole text's, of which the windows read ``tokens``
 
     def __post_init__(self) -> None:
         self.corpus = Corpus.open(self.store)
-        total = len(self.corpus.tokens) - 1  # inputs: every position that has a next token
+        total = self.text_tokens
         if len(self.corpus.doc_lengths) == 0 or total < 1:
             raise LitPplError(
                 f"quant.calibration.path={self.spec.data.describe()!r} holds no tokens: calibration needs text"
@@ -105,21 +104,25 @@ class Calibration:
         seq_len = self.spec.config.seq_len
         whole = build_windows("block", self.corpus.doc_lengths, seq_len)
         n = min(self.spec.config.tokens, total)
-        ids = np.arange(len(whole))
-        if -(-n // seq_len) < len(whole):  # a longer text: whole windows spread over all of it, not its first pages
+        count, ids = -(-n // seq_len), np.arange(len(whole))
+        if count < len(whole):  # a longer text: whole windows spread over all of it, not its first pages
             full = np.flatnonzero(whole.lengths == seq_len)
-            ids = full[spread(len(full), -(-n // seq_len))]
+            ids = full[spread(len(full), count)]
         read = np.cumsum(whole.lengths[ids]) - whole.lengths[ids]  # tokens read before each window
         ids, read = ids[read < n], read[read < n]
         start = whole.start[ids]
         end = np.minimum(whole.end[ids], start + n - read)  # the last window is cut so that exactly n tokens are read
         zeros = np.zeros(len(ids), np.int64)
         self.windows = Windows(start, end, start + 1, zeros, zeros, zeros)
-        self.text_tokens = total
 
     @property
     def tokens(self) -> int:
         return int(self.windows.lengths.sum())
+
+    @property
+    def text_tokens(self) -> int:
+        """The whole text's inputs (every position that has a next token), of which the windows read :attr:`tokens`."""
+        return len(self.corpus.tokens) - 1
 
     def batches(self, rank: int, world_size: int) -> list[list[int]]:
         """This rank's batches of window ids: formed once for every world size, global batch ``g`` on rank
