@@ -4,7 +4,9 @@ For each ``quant.sensitivity_method`` (fisher, the default, and exact) the first
 budgets reuse it (``quant.sensitivity``); every row evaluates the same held-out text with ``compare=unquantized``.
 Prints per row the bytes, the KLD predicted, its upper bound and measured on the calibration text, on the held-out
 text, and whether each is within the budget; then the time of each table and the estimate's error against the exact
-table per layer type and scheme.
+table per layer type and scheme. Then, with both tables, the estimate's choice at each exact choice's size
+(``quant.budget.bits``, the fisher table reused): the two tables compared at no more bytes, wherever either search
+lands.
 
     python benchmarks/auto_estimate.py                    # SmolLM2-135M, WikiText-2, budgets 0.005 0.02 0.1
     python benchmarks/auto_estimate.py --model ../shared/data/stories260K --text ../shared/data/tinyshakespeare.txt
@@ -85,9 +87,10 @@ def frontiers(tables: dict[str, dict], model: Path, group: int, levels: list[flo
             shapes |= {k.removesuffix(".weight"): f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
     exact, layers = tables["exact"], list(tables["exact"])
     schemes = {"none": NONE, "int8": Scheme("int8"), "int4": Scheme("int4", group)}
-    size = {(n, k): packed_bytes(schemes[k], torch.empty(shapes[n], device="meta")) for n in layers for k in schemes}
+    kinds = {n: ["none", *exact[n]] for n in layers}  # a layer int4 cannot take has no int4 entry
+    size = {(n, k): packed_bytes(schemes[k], torch.empty(shapes[n], device="meta")) for n in layers for k in kinds[n]}
     costs = {
-        how: [[(size[n, k], t[n][k]["kld"] if k != "none" else 0.0) for k in schemes] for n in layers]
+        how: [[(size[n, k], t[n][k]["kld"] if k != "none" else 0.0) for k in kinds[n]] for n in layers]
         for how, t in tables.items()
     }
 
@@ -95,8 +98,8 @@ def frontiers(tables: dict[str, dict], model: Path, group: int, levels: list[flo
         picks = cheapest(costs[how], target)
         if picks is None:
             return None
-        kinds = [(n, list(schemes)[j]) for n, j in zip(layers, picks, strict=True)]
-        return sum(size[nk] for nk in kinds), sum(exact[n][k]["kld"] for n, k in kinds if k != "none")
+        picked = [(n, kinds[n][j]) for n, j in zip(layers, picks, strict=True)]
+        return sum(size[nk] for nk in picked), sum(exact[n][k]["kld"] for n, k in picked if k != "none")
 
     targets = [0.001 * 1.005**i for i in range(1063)]  # 0.001 to 0.2
     curves = {how: [p for p in (judged(how, t) for t in targets) if p] for how in tables}
@@ -123,39 +126,62 @@ def main() -> None:
     budgets = args.budget or [0.005, 0.02, 0.1]
     common = ["compare=unquantized", f"eval.seq_len={args.seq_len}", f"precision={args.precision}"]
     common += ["report.plots=false", f"quant.group_size={args.group}", f"quant.method={args.method}", *cal]
-    rows, tables, seconds = [], {}, {}
+    rows, tables, seconds, chosen, firsts = [], {}, {}, {}, {}
+
+    def run(how: str, budget: str, out: Path, reuse: Path | None) -> dict:
+        """One quant=auto job (``budget``: ``kld=X`` or ``bits=X``), its row printed; its ``quant.auto``."""
+        t0 = time.perf_counter()
+        extra = [*common, "quant=auto", f"quant.sensitivity_method={how}", f"quant.budget.{budget}"]
+        r = lit_ppl(args.model, evaluated, out, *extra, *([f"quant.sensitivity={reuse}"] if reuse else []))
+        auto = r["quant"]["auto"]
+        met = "".join("-" if v is None else "yn"[not v] for v in auto["met"].values())
+        rows.append(
+            {
+                "table": how,
+                "budget": budget,
+                "bytes": f"{auto['bytes']:,}",
+                "of_full": auto["bytes"] / auto["bytes_full_precision"],
+                "predicted": g4(auto["predicted"]),
+                "bound": g4(auto["bound"]),
+                "calibration": g4(auto["measured_calibration"]),
+                "held_out": g4(auto["measured_evaluated"]),
+                "met p/b/c/e": met,
+                "rounds": len(auto["rounds"]),
+                "layers": ", ".join(f"{v['layers']} {k}" for k, v in auto["by_scheme"].items()),
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+        print(table(rows[-1:], list(rows[-1])), flush=True)
+        return auto
+
     for how in args.estimators.split(","):
         first = None if args.tables is None else args.tables / f"{how}-{budgets[0]}" / "out"
         for budget in budgets:
-            t0 = time.perf_counter()
-            reuse = [f"quant.sensitivity={first}"] if first else []
-            extra = [*common, "quant=auto", f"quant.sensitivity_method={how}", f"quant.budget.kld={budget}", *reuse]
             out = work / f"{how}-{budget}"
-            r = lit_ppl(args.model, evaluated, out, *extra)
-            auto = r["quant"]["auto"]
+            chosen[how, budget] = run(how, f"kld={budget}", out, first)
             first = first or out / "out"
-            met = auto["met"]
-            rows.append(
-                {
-                    "table": how,
-                    "budget": budget,
-                    "bytes": f"{auto['bytes']:,}",
-                    "of_full": auto["bytes"] / auto["bytes_full_precision"],
-                    "predicted": g4(auto["predicted"]),
-                    "bound": g4(auto["bound"]),
-                    "calibration": g4(auto["measured_calibration"]),
-                    "held_out": g4(auto["measured_evaluated"]),
-                    "met p/b/c/e": "".join("y" if met[k] else "n" for k in ("predicted", "bound", "calibration"))
-                    + ("y" if met["evaluated"] else "n"),
-                    "rounds": len(auto["rounds"]),
-                    "layers": ", ".join(f"{v['layers']} {k}" for k, v in auto["by_scheme"].items()),
-                    "seconds": time.perf_counter() - t0,
-                }
-            )
-            print(table(rows[-1:], list(rows[-1])), flush=True)
+        firsts[how] = first
         measured = json.loads((first / "results.json").read_text())["quant"]["auto"]  # the run that measured it
         tables[how] = measured["sensitivity"]
         seconds[how] = measured["measurement"]["seconds_layers"], measured["measurement"]["passes"]
+    sized = []
+    if {"fisher", "exact"} <= set(firsts):  # the estimate's choice within each exact choice's bytes
+        for budget in budgets:
+            exact = chosen["exact", budget]
+            fit = run("fisher", f"bits={exact['bits']!r}", work / f"fisher-bits-{budget}", firsts["fisher"])
+            estimated = chosen["fisher", budget]
+            sized.append(
+                {
+                    "kld budget": budget,
+                    "exact bytes": f"{exact['bytes']:,}",
+                    "exact held out": g4(exact["measured_evaluated"]),
+                    "fisher bytes": f"{estimated['bytes']:,} ({estimated['bytes'] / exact['bytes'] - 1:+.2%})",
+                    "fisher held out": g4(estimated["measured_evaluated"]),
+                    "fisher at exact's size": f"{fit['bytes']:,} ({fit['bytes'] / exact['bytes'] - 1:+.2%})",
+                    "its held out": g4(fit["measured_evaluated"]),
+                    "vs exact": f"{fit['measured_evaluated'] / exact['measured_evaluated'] - 1:+.1%}",
+                }
+            )
     (work / "tables.json").write_text(json.dumps({"tables": tables, "seconds": seconds}))
     if args.against is not None:  # e.g. the exact table (50 minutes), measured once on the same texts
         earlier = json.loads(args.against.read_text())
@@ -181,6 +207,9 @@ def main() -> None:
         print("\nEach table's knapsack choices, judged by the exact table's summed KLD:\n")
         fronts = frontiers(tables, args.model, args.group, [0.004, 0.008, 0.015, 0.03, 0.07, 0.1])
         print(table(fronts, list(fronts[0])))
+    if sized:
+        print("\nEach budget's exact choice, the estimate's, and the estimate's within the exact choice's bytes:\n")
+        print(table(sized, list(sized[0])))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from lit_ppl.config.quant import quant_config
 from lit_ppl.config.values import ConfigError, check_calibration
 from lit_ppl.errors import LitPplError
 from lit_ppl.quant.assign import assign
-from lit_ppl.quant.auto.budget import Budget, Option, cheapest, t_quantile
+from lit_ppl.quant.auto.budget import BINS, Budget, Option, cheapest, least_cost, t_quantile
 from lit_ppl.quant.auto.candidates import kind_rules
 from lit_ppl.quant.auto.policy import POLICY_FILE
 from lit_ppl.quant.auto.search import ROUNDS, SLACK, _search
@@ -112,6 +112,26 @@ def test_auto_meets_its_budget_on_held_out_text_with_fewer_bytes_than_uniform_in
     assert looser["quant"]["auto"]["measurement"]["passes"] == 0
     assert looser["quant"]["auto"]["sensitivity"] == auto["sensitivity"]
     assert looser["quant"]["auto"]["bytes"] < auto["bytes"]
+    # A size budget: the choice's own bits per weight give no more bytes and no more predicted KLD (to the
+    # knapsack's resolution, as test_a_size_budget_finds_the_least_cost_within_its_bytes bounds it).
+    assert auto["bits"] == 8 * auto["bytes"] / (sum(w.numel() for w in linear if w.ndim == 2) + 512 * 64)
+    sized = evaluate(
+        compose(*auto_args(tmp_path, f"quant.budget.bits={auto['bits']!r}", reuse[0], f"output_dir={tmp_path / 's'}"))
+    )
+    fit = sized["quant"]["auto"]
+    assert fit["bytes"] <= auto["bytes"]
+    assert fit["predicted"] <= auto["predicted"] * BINS**2 / ((BINS - 36) * (BINS - 1))
+    assert fit["budget"] == {"bits": auto["bits"]} and fit["measurement"]["passes"] == 0 and len(fit["rounds"]) == 1
+    assert fit["measured_evaluated"] == sized["compare"]["kld_mean"] and fit["measured_calibration"] <= fit["bound"]
+    assert fit["met"] == dict.fromkeys(("predicted", "bound", "calibration", "evaluated"))  # no loss to be within
+    for bits, message in [
+        (1, r"quant\.budget\.bits=1 is below the fewest bits per weight quant\.schemes=\['none', 'int8', 'int4'\] "
+         r"reach: [\d.]+ \([\d,]+ bytes for [\d,]+ weights\); raise the budget$"),
+        (32, r"quant\.budget\.bits=32 holds every layer in full precision \(32 bits per weight\): give fewer bits, "
+         r"or use quant=none$"),
+    ]:  # fmt: skip
+        with pytest.raises(LitPplError, match=message):
+            evaluate(compose(*auto_args(tmp_path, f"quant.budget.bits={bits}", reuse[0], f"output_dir={tmp_path}/b")))
     # Measurements of another int4 group size are refused in one line.
     with pytest.raises(LitPplError, match=r"was measured with group_size=32, this run has 64: measure again"):
         evaluate(
@@ -222,6 +242,29 @@ def test_the_knapsack_finds_the_fewest_bytes_within_the_budget():
         chosen = [u[j] for u, j in zip(units, picks, strict=True)]
         assert sum(cost for _, cost in chosen) <= limit
         assert sum(b for b, _ in chosen) == min(sum(b for b, _ in c) for c in fits)
+
+
+def test_a_size_budget_finds_the_least_cost_within_its_bytes():
+    """Against brute force on random instances: never over the bytes, the summed cost within the knapsack's
+    resolution of the least that fits (each of n costs rounded up by 1/bins of the target: every target above
+    least · bins / (bins − n) fits; the target bisected to 1/bins); ``None`` when the fewest bytes do not fit."""
+    rng = random.Random(1)
+    for _ in range(200):
+        units = [
+            [(rng.randint(1, 100), rng.random() * rng.choice([0.0, 1.0])) for _ in range(rng.randint(1, 3))]
+            for _ in range(rng.randint(1, 5))
+        ]
+        max_bytes, bins = rng.randint(1, 300), 50
+        fits = [c for c in itertools.product(*units) if sum(b for b, _ in c) <= max_bytes]
+        found = least_cost(units, max_bytes, bins)
+        if not fits:
+            assert found is None
+            continue
+        chosen = [u[j] for u, j in zip(units, found[0], strict=True)]
+        least = min(sum(cost for _, cost in c) for c in fits)
+        assert sum(b for b, _ in chosen) <= max_bytes
+        within = least * bins**2 / ((bins - len(units)) * (bins - 1))
+        assert least <= sum(cost for _, cost in chosen) <= within + 1e-12
 
 
 @pytest.mark.parametrize("scale", [0.5, 0.8, 1.3, 2.0])

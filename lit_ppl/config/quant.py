@@ -112,10 +112,14 @@ class GptqConfig:
 
 @dataclass
 class BudgetConfig:
-    """``quant.budget``: what ``quant=auto`` may lose against the unquantized model on the calibration text (one)."""
+    """``quant.budget`` (one): what ``quant=auto`` may lose against the unquantized model on the calibration text,
+    or the size within which it loses the least."""
 
     kld: float | None = field(default=None, metadata=meta("mean KL divergence, nats"))
     ppl_increase: float | None = field(default=None, metadata=meta("|PPL(Q)/PPL(base) - 1| (0.01: within 1%)"))
+    bits: float | None = field(
+        default=None, metadata=meta("mean bits per weight of the candidates, packed: the least KLD within this size")
+    )
 
 
 @dataclass

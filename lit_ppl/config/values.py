@@ -248,7 +248,8 @@ def check_auto(key: str, value: dict[str, Any]) -> None:
     if len(budget) != 1:
         raise ConfigError(
             f"{key}=auto needs exactly one budget: {key}.budget.kld=X (mean KL divergence from the unquantized "
-            f"model) or {key}.budget.ppl_increase=X (0.01: perplexity within 1%); got {budget or 'none'}"
+            f"model), {key}.budget.ppl_increase=X (0.01: perplexity within 1%) or {key}.budget.bits=X (4.5: the "
+            f"least KLD within 4.5 bits per weight); got {budget or 'none'}"
         )
     ((name, limit),) = budget.items()
     if not limit > 0:

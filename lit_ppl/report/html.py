@@ -174,7 +174,7 @@ def auto_section(auto: dict[str, Any], measured: float | None) -> str:
     grid.append("</table>")
     mib = 2.0**-20
     points = [(auto["bytes_full_precision"] * mib, 0.0, "full precision", 0)]
-    if "kld" in (auto.get("budget") or {}):  # a ppl_increase budget's rounds measure another quantity
+    if "ppl_increase" not in (auto.get("budget") or {}):  # that budget's rounds measure another quantity
         for kind, nbytes in (auto.get("bytes_uniform") or {}).items():
             cost = sum((v.get(kind) or {}).get("kld", 0.0) for v in table_.values())
             points.append((nbytes * mib, cost, f"all {kind} (predicted)", 1))
@@ -185,7 +185,7 @@ def auto_section(auto: dict[str, Any], measured: float | None) -> str:
     chart = points_chart(points, "MiB of the quantizable layers' weights", "mean KLD", "quant=auto frontier")
     note = (
         f"Budget: {' '.join(f'{k} ≤ {v:g}' for k, v in auto['budget'].items())}; {auto['bytes']:,} of "
-        f"{auto['bytes_full_precision']:,} bytes. Hover a cell for its "
+        f"{auto['bytes_full_precision']:,} bytes ({auto['bits']:.4g} bits per weight). Hover a cell for its "
         "scheme and what each scheme costs alone."
     )
     return section("quant=auto: the choice per layer and the frontier", "".join(grid), chart, note=note)

@@ -85,14 +85,15 @@ def build_results(
 
 def _auto_evaluated(results: dict[str, Any]) -> None:
     """``quant.auto``'s budget measured on the evaluated text, when the run compares with the unquantized model:
-    the mean KLD, or ``|PPL / PPL_base − 1|``, and whether it is within the budget."""
+    the mean KLD, or ``|PPL / PPL_base − 1|``, and whether it is within the budget (a size budget: the KLD, no
+    loss to be within)."""
     auto, compare = (results.get("quant") or {}).get("auto"), results.get("compare")
     if not auto or not compare or (results.get("reference_quant") or {}).get("name", "none") != "none":
         return
     ((metric, value),) = auto["budget"].items()
-    measured = compare["kld_mean"] if metric == "kld" else abs(compare["ppl_ratio"] - 1.0)
+    measured = abs(compare["ppl_ratio"] - 1.0) if metric == "ppl_increase" else compare["kld_mean"]
     auto["measured_evaluated"] = measured
-    auto["met"]["evaluated"] = bool(measured <= value)
+    auto["met"]["evaluated"] = None if metric == "bits" else bool(measured <= value)
 
 
 def quant_name(run: dict[str, Any]) -> str:

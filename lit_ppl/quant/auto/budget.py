@@ -35,8 +35,9 @@ CONFIDENCE = 0.95  # a choice keeps its cost's one-sided upper prediction bound 
 @dataclass(frozen=True)
 class Budget:
     """``quant.budget``: ``metric`` is ``kld`` (mean KL divergence, nats) or ``ppl_increase``, the relative change
-    of perplexity either way, ``|PPL(Q) / PPL(base) − 1|``: a quantization that lowers the calibration text's
-    perplexity has still changed the model, and on other text need not lower it."""
+    of perplexity either way, ``|PPL(Q) / PPL(base) − 1|`` (a quantization that lowers the calibration text's
+    perplexity has still changed the model, and on other text need not lower it), both limits on the loss; or
+    ``bits``, a limit on the size: the candidates' mean bits per weight, packed, within which the least KLD."""
 
     metric: str
     value: float
@@ -49,15 +50,24 @@ class Budget:
         return cls(metric, float(value))
 
     @property
+    def measure(self) -> str:
+        """What a candidate costs: ``ppl_increase`` under that budget, else the KLD (a size budget minimises it)."""
+        return "ppl_increase" if self.metric == "ppl_increase" else "kld"
+
+    @property
     def limit(self) -> float:
-        """The budget in cost units: mean KLD, or the mean NLL change in nats (``|ΔNLL| ≤ log1p(b)`` bounds the
+        """A loss budget in cost units: mean KLD, or the mean NLL change in nats (``|ΔNLL| ≤ log1p(b)`` bounds the
         perplexity ratio within ``[1 − b, 1 + b]``)."""
         return self.value if self.metric == "kld" else math.log1p(self.value)
+
+    def max_bytes(self, weights: int) -> int:
+        """A size budget's bytes for ``weights`` weights (the float rounding of bits given from bytes forgiven)."""
+        return math.floor(self.value * weights / 8 + 1e-6)
 
     def cost(self, units: torch.Tensor) -> float:
         """A measurement's cost from its ``(Σ KLD, Σ NLL, Σ NLL of the float model, tokens)`` per unit of tokens."""
         kld, nll, nll_base, tokens = (float(x) for x in real_units(units).sum(0))
-        return kld / tokens if self.metric == "kld" else abs(nll - nll_base) / tokens
+        return kld / tokens if self.measure == "kld" else abs(nll - nll_base) / tokens
 
     def bound(self, units: torch.Tensor) -> float:
         """The cost's one-sided upper prediction bound at :data:`CONFIDENCE` for another text as long as the
@@ -68,7 +78,7 @@ class Budget:
         alone) is not what the budget is for: the evaluated text is another text. Windows, not shorter runs of
         tokens: the tokens of one window share its context and topic, so their costs move together."""
         units = real_units(units)
-        value = units[:, 0] if self.metric == "kld" else units[:, 1] - units[:, 2]
+        value = units[:, 0] if self.measure == "kld" else units[:, 1] - units[:, 2]
         tokens = units[:, 3]
         mean = value.sum() / tokens.sum()
         n = units.shape[0]
@@ -83,7 +93,7 @@ class Budget:
 
     def shown(self, cost: float) -> float:
         """A cost in the budget's own terms (``ppl_increase``: ``exp(|ΔNLL|) − 1``)."""
-        return cost if self.metric == "kld" else math.expm1(cost)
+        return cost if self.measure == "kld" else math.expm1(cost)
 
 
 def t_quantile(p: float, dof: int) -> float:
@@ -145,6 +155,32 @@ def cheapest(options: list[list[tuple[int, float]]], limit: float, bins: int = B
     return chosen[::-1]
 
 
+def least_cost(
+    options: list[list[tuple[int, float]]], max_bytes: int, bins: int = BINS
+) -> tuple[list[int], float] | None:
+    """Per unit the index of its ``(bytes, cost)`` option, the least summed cost within ``max_bytes`` (to the
+    knapsack's resolution), and the cost target that chose it; ``None`` if the fewest bytes exceed it. The
+    smallest target whose :func:`cheapest` choice fits, bisected: one solver serves both budgets."""
+    if sum(min(b for b, _ in unit) for unit in options) > max_bytes:
+        return None
+    free = [min(((b, j) for j, (b, c) in enumerate(unit) if c <= 0), default=None) for unit in options]
+    if all(f is not None for f in free) and sum(f[0] for f in free) <= max_bytes:  # nothing lost within the size
+        return [f[1] for f in free], 0.0
+
+    def fits(target: float) -> list[int] | None:
+        picks = cheapest(options, target, bins)
+        ok = picks is not None and sum(u[j][0] for u, j in zip(options, picks, strict=True)) <= max_bytes
+        return picks if ok else None
+
+    low, high = 0.0, sum(max(c for _, c in unit) for unit in options)
+    while fits(high) is None:  # costs rounded up to the target's steps: the fewest bytes need some headroom
+        low, high = high, 2 * high
+    while high - low > high / bins:
+        mid = (low + high) / 2
+        low, high = (low, mid) if fits(mid) is not None else (mid, high)
+    return fits(high), high
+
+
 @dataclass(frozen=True)
 class Option:
     """One scheme for one layer: its packed bytes and, measured alone, its mean KLD and mean NLL change."""
@@ -156,4 +192,4 @@ class Option:
 
     def cost(self, budget: Budget) -> float:
         # |ΔNLL|: a layer that lowers the NLL alone is no credit against another's loss (Budget).
-        return self.kld if budget.metric == "kld" else abs(self.nll_delta)
+        return self.kld if budget.measure == "kld" else abs(self.nll_delta)

@@ -82,6 +82,11 @@ class Candidates:
         names = {n for todo in self.choices.values() for n in todo}
         return sorted(names, key=lambda n: (order.get(n, order.get(n.rpartition(".")[0])), n))  # experts: by module
 
+    @property
+    def weights(self) -> int:
+        """The candidates' weights in all (a tied table once): what a size budget's bits are per."""
+        return sum(self.tensor(n).numel() for n in self.layers)
+
     def tensor(self, name: str) -> torch.Tensor:
         """The float weight the candidate ``name`` replaces."""
         return getattr(*weight_slot(self.lm, name))

@@ -17,6 +17,9 @@
    and the knapsack runs again (:func:`_search`, at most :data:`ROUNDS` measurements); the cheapest assignment that
    met the budget is the choice.
 
+A size budget (``quant.budget.bits``) has no loss to meet: the assignment of the least predicted KLD within the
+size (:func:`~lit_ppl.quant.auto.budget.least_cost`), measured once as a whole for the report.
+
 The choice becomes ``quant=policy`` rules, one per layer (written next to ``results.json`` as
 ``quant_policy.yaml``: :mod:`lit_ppl.quant.auto.policy`), applied by :func:`lit_ppl.quant.apply.quantize_model`
 like any policy. Bytes: :func:`lit_ppl.quant.auto.budget.packed_bytes`.
@@ -36,7 +39,16 @@ from torch import nn
 from lit_ppl.config.quant import QuantConfig
 from lit_ppl.errors import LitPplError
 from lit_ppl.model.nll import auto_chunk
-from lit_ppl.quant.auto.budget import BINS, CONFIDENCE, Budget, Option, cheapest, packed_bytes, real_units
+from lit_ppl.quant.auto.budget import (
+    BINS,
+    CONFIDENCE,
+    Budget,
+    Option,
+    cheapest,
+    least_cost,
+    packed_bytes,
+    real_units,
+)
 from lit_ppl.quant.auto.candidates import Candidates, installed
 from lit_ppl.quant.auto.fisher import estimate_layers
 from lit_ppl.quant.auto.policy import policy_node
@@ -157,6 +169,30 @@ def _search(
     )
 
 
+def _fit(
+    layers: list[str],
+    options: list[list[Option]],
+    budget: Budget,
+    measured: Callable[[dict[str, str]], tuple[float, float]],
+    weights: int,
+    schemes: list[str],
+) -> tuple[dict[str, Option], int, list[dict[str, Any]]]:
+    """A size budget's choice: the least predicted KLD within its bytes, measured once (:func:`_search`'s return)."""
+    fitted = least_cost([[(o.bytes, o.cost(budget)) for o in unit] for unit in options], budget.max_bytes(weights))
+    if fitted is None:
+        least = sum(min(o.bytes for o in unit) for unit in options)
+        raise LitPplError(
+            f"quant.budget.bits={budget.value:g} is below the fewest bits per weight quant.schemes={schemes} reach: "
+            f"{8 * least / weights:.4g} ({least:,} bytes for {weights:,} weights); raise the budget"
+        )
+    picks, target = fitted
+    picked = {n: options[u][j] for u, (n, j) in enumerate(zip(layers, picks, strict=True))}
+    cost, bound = measured({n: o.kind for n, o in picked.items() if o.kind != "none"})
+    predicted = sum(o.cost(budget) for o in picked.values())
+    size = sum(o.bytes for o in picked.values())
+    return picked, 0, [{"target": target, "predicted": predicted, "measured": cost, "bound": bound, "bytes": size}]
+
+
 def _check_reachable(
     budget: Budget, layers: list[str], options: list[list[Option]], cfg: QuantConfig, reused: bool
 ) -> None:
@@ -171,10 +207,18 @@ def _check_reachable(
         )
 
 
-def _check_quantizes(budget: Budget, quantized: dict[str, Any], layers: list[str], options: list[list[Option]]) -> None:
+def _check_quantizes(
+    budget: Budget, quantized: dict[str, Any], layers: list[str], options: list[list[Option]], weights: int
+) -> None:
     """A budget met only by full precision everywhere is the user's to know: one line with the smallest change."""
     if quantized:
         return
+    if budget.metric == "bits":
+        full = sum(u[0].bytes for u in options)
+        raise LitPplError(
+            f"quant.budget.bits={budget.value:g} holds every layer in full precision ({8 * full / weights:.4g} bits "
+            "per weight): give fewer bits, or use quant=none"
+        )
     least, where = min(
         (o.cost(budget), f"{o.kind} on {n}")
         for n, u in zip(layers, options, strict=True)
@@ -229,10 +273,14 @@ def choose_policy(
     table, passes = _table(lm, cfg, candidates, meter, calibration, kinds, fingerprint, at, lockstep)
     t2 = time.perf_counter()
     options = unit_options(candidates, kinds, table, "none" in cfg.schemes)
-    _check_reachable(budget, layers, options, cfg, bool(cfg.sensitivity and table))
-    chosen, index, rounds = _search(layers, options, budget, measured, list(cfg.schemes))
+    weights = candidates.weights
+    if budget.metric == "bits":
+        chosen, index, rounds = _fit(layers, options, budget, measured, weights, list(cfg.schemes))
+    else:
+        _check_reachable(budget, layers, options, cfg, bool(cfg.sensitivity and table))
+        chosen, index, rounds = _search(layers, options, budget, measured, list(cfg.schemes))
     quantized = {n: candidates.scheme(n, o.kind) for n, o in chosen.items() if o.kind != "none"}
-    _check_quantizes(budget, quantized, layers, options)
+    _check_quantizes(budget, quantized, layers, options, weights)
     policy = policy_node(cfg, quantized)
     seconds = {"passes": passes, "replayed_blocks": meter.replay, "seconds_candidates": t1 - t0}
     seconds |= {"held_by_rows": lockstep}
@@ -277,6 +325,7 @@ def _facts(
         "measured_evaluated": None,  # the evaluated text's, set with results.json when the run compares
         "met": _met(budget, last, table),
         "bytes": last["bytes"],
+        "bits": 8 * last["bytes"] / candidates.weights,  # per weight of the candidates, as quant.budget.bits
         "bytes_full_precision": full,
         "bytes_uniform": uniform,  # every layer the scheme takes; the rest in full precision
         "by_scheme": by_scheme,
@@ -291,7 +340,7 @@ def _facts(
     }
     predicted = "" if info["predicted"] is None else f", predicted {info['predicted']:.4g}"
     log.warning(
-        "quant=auto: %s within %s=%g (measured %.4g on the calibration text%s): %d of %d bytes",
+        "quant=auto: %s within %s=%g (measured %.4g on the calibration text%s): %d of %d bytes, %.4g bits per weight",
         ", ".join(f"{v['layers']} {k}" for k, v in by_scheme.items()),
         budget.metric,
         budget.value,
@@ -299,12 +348,16 @@ def _facts(
         predicted,
         info["bytes"],
         full,
+        info["bits"],
     )
     return info
 
 
 def _met(budget: Budget, last: dict[str, Any], table: Table) -> dict[str, bool | None]:
-    """Whether each figure of the chosen assignment is within the budget (``evaluated``: set with results.json)."""
+    """Whether each figure of the chosen assignment is within the budget (``evaluated``: set with results.json);
+    a size budget limits no loss (its bytes are within it by construction): none."""
+    if budget.metric == "bits":
+        return dict.fromkeys(("predicted", "bound", "calibration", "evaluated"))
     within = {key: bool(last[key] <= budget.value) for key in ("predicted", "bound", "measured")}
     return {
         "predicted": within["predicted"] if table else None,
