@@ -173,12 +173,15 @@ def least_cost(
         return picks if ok else None
 
     low, high = 0.0, sum(max(c for _, c in unit) for unit in options)
-    while fits(high) is None:  # costs rounded up to the target's steps: the fewest bytes need some headroom
+    while (picks := fits(high)) is None:  # costs rounded up to the target's steps: the fewest bytes need headroom
         low, high = high, 2 * high
     while high - low > high / bins:
         mid = (low + high) / 2
-        low, high = (low, mid) if fits(mid) is not None else (mid, high)
-    return fits(high), high
+        if (found := fits(mid)) is not None:
+            high, picks = mid, found
+        else:
+            low = mid
+    return picks, high
 
 
 @dataclass(frozen=True)

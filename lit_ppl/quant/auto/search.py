@@ -124,7 +124,7 @@ def _search(
     The knapsack's target is bracketed between the largest that met the budget and the smallest that did not: a
     miss shrinks it by the overshoot, a met bound with slack grows it into the slack, and a step that would leave
     the bracket halves it instead; a target whose assignment was measured already moves the bracket for free."""
-    costs = [[(o.bytes, o.cost(budget)) for o in unit] for unit in options]
+    costs = _costs(options, budget)
     rounds: list[dict[str, Any]] = []
     tried: dict[tuple[int, ...], tuple[dict[str, Option], float, float, int]] = {}  # picks → its round's figures
     target, low, high = budget.limit, 0.0, math.inf
@@ -136,13 +136,9 @@ def _search(
         if tuple(picks) not in tried:
             if len(rounds) == ROUNDS:
                 break
-            picked = {n: options[u][j] for u, (n, j) in enumerate(zip(layers, picks, strict=True))}
-            cost, bound = measured({n: o.kind for n, o in picked.items() if o.kind != "none"})
-            predicted = sum(o.cost(budget) for o in picked.values())
-            size = sum(o.bytes for o in picked.values())
-            shown = {"predicted": budget.shown(predicted), "measured": budget.shown(cost), "bound": budget.shown(bound)}
+            picked, predicted, bound, figures = _measure(layers, options, picks, target, budget, measured)
             tried[tuple(picks)] = picked, predicted, bound, len(rounds)
-            rounds.append({"target": budget.shown(target), **shown, "bytes": size})
+            rounds.append(figures)
         picked, predicted, bound, index = tried[tuple(picks)]
         if bound <= budget.limit:
             low = max(low, target)
@@ -179,19 +175,38 @@ def _fit(
     schemes: list[str],
 ) -> tuple[dict[str, Option], int, list[dict[str, Any]]]:
     """A size budget's choice: the least predicted KLD within its bytes, measured once (:func:`_search`'s return)."""
-    fitted = least_cost([[(o.bytes, o.cost(budget)) for o in unit] for unit in options], budget.max_bytes(weights))
+    fitted = least_cost(_costs(options, budget), budget.max_bytes(weights))
     if fitted is None:
         least = sum(min(o.bytes for o in unit) for unit in options)
         raise LitPplError(
             f"quant.budget.bits={budget.value:g} is below the fewest bits per weight quant.schemes={schemes} reach: "
             f"{8 * least / weights:.4g} ({least:,} bytes for {weights:,} weights); raise the budget"
         )
-    picks, target = fitted
+    picked, _, _, figures = _measure(layers, options, *fitted, budget, measured)
+    return picked, 0, [figures]
+
+
+def _costs(options: list[list[Option]], budget: Budget) -> list[list[tuple[int, float]]]:
+    """The knapsack's ``(bytes, cost)`` per option of each layer."""
+    return [[(o.bytes, o.cost(budget)) for o in unit] for unit in options]
+
+
+def _measure(
+    layers: list[str],
+    options: list[list[Option]],
+    picks: list[int],
+    target: float,
+    budget: Budget,
+    measured: Callable[[dict[str, str]], tuple[float, float]],
+) -> tuple[dict[str, Option], float, float, dict[str, Any]]:
+    """One round: the knapsack's picks measured as a whole; ``(assignment, predicted, bound, the round's figures in
+    the budget's terms)``."""
     picked = {n: options[u][j] for u, (n, j) in enumerate(zip(layers, picks, strict=True))}
     cost, bound = measured({n: o.kind for n, o in picked.items() if o.kind != "none"})
     predicted = sum(o.cost(budget) for o in picked.values())
-    size = sum(o.bytes for o in picked.values())
-    return picked, 0, [{"target": target, "predicted": predicted, "measured": cost, "bound": bound, "bytes": size}]
+    figures = {"target": target, "predicted": predicted, "measured": cost, "bound": bound}
+    shown = {k: budget.shown(v) for k, v in figures.items()} | {"bytes": sum(o.bytes for o in picked.values())}
+    return picked, predicted, bound, shown
 
 
 def _check_reachable(
